@@ -1,0 +1,120 @@
+"""The public Python API for people who embed Specter.
+
+Contract:
+- ``load(recipe, overrides=())`` takes a recipe path, a dict, or a ``Recipe`` and returns a
+  ready ``Engine``; ``engine.generate(prompts)`` returns texts, token ids and the report.
+- ``run_recipe(recipe, overrides=())`` does what ``python -m specter.run`` does: generate for the
+  recipe's prompts and, for greedy runs of a non-resident engine with ``check_lossless``, compare
+  the tokens with the ``resident`` engine's and set ``report["lossless"]``.
+- ``offload(model, expert_budget=..., link=..., cache_policy=...)`` turns an already loaded
+  transformers MoE model into an offloaded one in place (accelerate style): experts move to a
+  host store, a device cache serves them, and the user's own ``model.generate`` keeps working
+  with the same greedy tokens. Returns an ``OffloadHandle`` (cache stats, ``remove()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from specter.engine import Engine, GenerationResult, build_engine
+from specter.recipe import Recipe, load_recipe
+
+
+def as_recipe(recipe: str | Path | dict | Recipe, overrides: Sequence[str] = ()) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return load_recipe(recipe, overrides) if overrides else recipe
+    return load_recipe(recipe, overrides)
+
+
+def load(recipe: str | Path | dict | Recipe, overrides: Sequence[str] = ()) -> Engine:
+    return build_engine(as_recipe(recipe, overrides))
+
+
+def first_mismatch(a: list[list[int]], b: list[list[int]]) -> dict | None:
+    for prompt, (x, y) in enumerate(zip(a, b)):
+        for position, (s, t) in enumerate(zip(x, y)):
+            if s != t:
+                return {"prompt": prompt, "position": position, "tokens": [s, t]}
+        if len(x) != len(y):
+            return {"prompt": prompt, "position": min(len(x), len(y)), "tokens": None}
+    return None
+
+
+def run_recipe(
+    recipe: str | Path | dict | Recipe, overrides: Sequence[str] = (),
+    progress: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    recipe = as_recipe(recipe, overrides)
+    say = progress or (lambda message: None)
+    prompts = recipe.resolved_prompts()
+    say(f"loading {recipe.model} for engine {recipe.engine} ...")
+    engine = build_engine(recipe)
+    try:
+        def step(index: int, total: int, tokens: int) -> None:
+            if tokens % 16 == 0 or tokens == recipe.max_new_tokens:
+                say(f"[{recipe.engine}] prompt {index + 1}/{total}: {tokens}/{recipe.max_new_tokens} tokens")
+        result = engine.generate(prompts, progress=step)
+    finally:
+        engine.close()
+    if recipe.engine != "resident" and recipe.check_lossless and recipe.sampling.temperature == 0:
+        say("checking losslessness against the resident engine ...")
+        reference_engine = build_engine(as_recipe(recipe, ["engine=resident"]))
+        reference = reference_engine.generate(prompts)
+        reference_engine.close()
+        mismatch = first_mismatch(result.token_ids, reference.token_ids)
+        result.report["lossless"] = mismatch is None
+        result.report["lossless_first_mismatch"] = mismatch
+        result.report["resident_decode_tokens_per_s"] = reference.report["decode_tokens_per_s"]
+    return result
+
+
+@dataclass
+class OffloadHandle:
+    model: torch.nn.Module
+    runtime: object
+    cache: object
+    store: object
+    link: object
+
+    @property
+    def stats(self):
+        return self.cache.stats
+
+    def remove(self) -> None:
+        """Restore the model's own experts implementation; experts stay in host memory."""
+        from specter.experts import uninstall
+
+        uninstall(self.model)
+        self.link.close()
+
+
+def offload(
+    model: torch.nn.Module,
+    expert_budget: float | str | dict = 0.5,
+    link: str | dict = "auto",
+    cache_policy: str = "lru",
+) -> OffloadHandle:
+    from specter.cache import ExpertCache
+    from specter.engine import make_link, slots_for_budget
+    from specter.experts import ExpertRuntime, install
+    from specter.loader import split_experts
+    from specter.plugins import registry
+
+    device = next(p.device for p in model.parameters())
+    link_spec = {"kind": link} if isinstance(link, str) else dict(link)
+    recipe = load_recipe({"offload": {"expert_budget": expert_budget, "link": link_spec,
+                                      "cache_policy": {"name": cache_policy}}})
+    layers, store = split_experts(model, pin=device.type == "cuda")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    n_slots = slots_for_budget(recipe, store, max(m.top_k for m in layers))
+    the_link = make_link(recipe, device)
+    policy = registry().create("cache_policy", cache_policy, {}, key="cache_policy")
+    cache = ExpertCache(store, n_slots, device, the_link, policy)
+    runtime = ExpertRuntime(layers, cache)
+    install(model, runtime)
+    return OffloadHandle(model, runtime, cache, store, the_link)

@@ -1,0 +1,326 @@
+"""The plugin registry: cache policies, links, predictors and governors, found through pluggy.
+
+Contract: ``get_plugin_manager()`` builds one ``pluggy.PluginManager`` per process (lazily, on
+first use) holding the hookspecs of ``specter.hookspecs``, the built-in modules
+``BUILTIN_PLUGIN_MODULES`` and the modules of the ``specter`` entry-point group. Built-ins
+register through the same hooks as third-party packages. ``registry()`` asks every hook
+implementation for its plugins and returns a ``Registry`` of ``(kind, name) -> factory``.
+
+- ``SPECTER_PLUGINS`` (read when the manager is built) restricts the entry points loaded:
+  unset loads all, ``""`` none, ``"a,b"`` only the entry points named ``a`` and ``b``.
+- An entry point that fails to load, or whose hook implementation raises, is skipped with a
+  ``PluginLoadWarning``; a built-in that fails is a bug and raises.
+- Names are unique per kind: two different factories under one name raise ``SpecterError``
+  naming both sources; registering the identical factory again is ignored.
+- ``Registry.create`` calls ``factory(**context, **options)``: every option must be a parameter
+  of the factory, while the engine's context keywords are *offered*, each factory receiving only
+  those its signature names (all of them if it takes ``**kwargs``).
+- ``register_plugin(obj)`` adds a plugin object at runtime; ``reset_plugins()`` forgets the
+  manager, runtime registrations included, so tests start clean and see new env vars.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import threading
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from types import ModuleType
+from typing import Any, Callable
+
+import pluggy
+
+from specter import hookspecs
+from specter.errors import SpecterError, UnknownPluginError
+
+BUILTIN_PLUGIN_MODULES = ("specter.policies", "specter.links", "specter.predictors", "specter.governors")
+ENTRY_POINT_GROUP = "specter"
+ALLOWLIST_ENV = "SPECTER_PLUGINS"
+HOOK_BY_KIND = {
+    "cache_policy": "register_cache_policies",
+    "link": "register_links",
+    "predictor": "register_predictors",
+    "governor": "register_governors",
+}
+KINDS = tuple(HOOK_BY_KIND)
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+
+class PluginLoadWarning(UserWarning):
+    """A third-party plugin could not be loaded or failed while registering; it was skipped."""
+
+
+@dataclass(frozen=True)
+class PluginEntry:
+    """One registered plugin: its kind, name, factory and where it came from."""
+
+    kind: str
+    name: str
+    factory: Callable[..., object]
+    source: str
+
+
+class Registry:
+    """Plugins by kind and name; built by ``registry()``, read-only afterwards."""
+
+    def __init__(self, entries: dict[str, dict[str, PluginEntry]], skipped: list[str]) -> None:
+        self._entries = entries
+        self.skipped = list(skipped)
+
+    def _kind(self, kind: str) -> dict[str, PluginEntry]:
+        if kind not in self._entries:
+            raise ValueError(f"unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}")
+        return self._entries[kind]
+
+    def names(self, kind: str) -> list[str]:
+        """Registered names of ``kind``, sorted."""
+        return sorted(self._kind(kind))
+
+    def entries(self, kind: str) -> list[PluginEntry]:
+        """Registered plugins of ``kind``, sorted by name."""
+        plugins = self._kind(kind)
+        return [plugins[name] for name in sorted(plugins)]
+
+    def get(self, kind: str, name: str, key: str | None = None) -> Callable[..., object]:
+        """The factory of plugin ``name``; ``UnknownPluginError`` (naming ``key``) if none."""
+        plugins = self._kind(kind)
+        if name not in plugins:
+            raise UnknownPluginError(kind, name, list(plugins), key=key)
+        return plugins[name].factory
+
+    def source(self, kind: str, name: str) -> str:
+        """Where plugin ``name`` came from (built-in module or distribution)."""
+        self.get(kind, name)
+        return self._entries[kind][name].source
+
+    def create(
+        self,
+        kind: str,
+        name: str,
+        options: dict[str, Any] | None = None,
+        key: str | None = None,
+        **context: Any,
+    ) -> object:
+        """Instantiate plugin ``name`` with the recipe ``options`` and the context it accepts.
+
+        ``key`` is the recipe section the plugin comes from (``offload.cache_policy``); every
+        error names it. An option the factory does not accept, or a ``ValueError`` raised by the
+        factory, becomes a ``SpecterError``.
+        """
+        options = dict(options or {})
+        where = f"{key}: " if key else ""
+        factory = self.get(kind, name, key=key)
+        reserved = sorted(set(options) & set(context))
+        if reserved:
+            raise SpecterError(
+                f"{where}option {reserved[0]!r} of {kind} {name!r} is set by the engine; remove it"
+            )
+        kwargs = {**_offered(factory, context), **options}
+        try:
+            parameters = inspect.signature(factory)
+        except (TypeError, ValueError):
+            parameters = None
+        if parameters is not None:
+            try:
+                parameters.bind(**kwargs)
+            except TypeError as exc:
+                accepted = [p for p in parameters.parameters if p not in context and p != "self"]
+                raise SpecterError(
+                    _one_line(f"{where}bad options {options!r} for {kind} {name!r} ({exc}); "
+                              f"accepted options: {', '.join(accepted) or '(none)'}")
+                ) from None
+        try:
+            return factory(**kwargs)
+        except ValueError as exc:
+            raise SpecterError(_one_line(f"{where}{kind} {name!r} rejected its options: {exc}")) from None
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _offered(factory: Callable[..., object], context: dict[str, Any]) -> dict[str, Any]:
+    """The context keywords ``factory`` names (all of them if it takes ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return dict(context)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(context)
+    return {name: value for name, value in context.items() if name in parameters}
+
+
+_lock = threading.RLock()
+_manager: pluggy.PluginManager | None = None
+_registry: Registry | None = None
+_sources: dict[str, str] = {}
+_builtin_names: set[str] = set()
+_skipped: list[str] = []
+
+
+def _warn(message: str) -> None:
+    _skipped.append(message)
+    warnings.warn(_one_line(message), PluginLoadWarning, stacklevel=3)
+
+
+def _allowlist() -> set[str] | None:
+    value = os.environ.get(ALLOWLIST_ENV)
+    if value is None:
+        return None
+    return {name.strip() for name in value.split(",") if name.strip()}
+
+
+def _register_builtins(manager: pluggy.PluginManager) -> None:
+    for module_name in BUILTIN_PLUGIN_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # not written yet: the tree works while it is
+            raise
+        manager.register(module, name=module_name)
+        _sources[module_name] = f"builtin ({module_name})"
+        _builtin_names.add(module_name)
+
+
+def _register_entry_points(manager: pluggy.PluginManager) -> None:
+    allowed = _allowlist()
+    if allowed == set():
+        return
+    try:
+        entry_points = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    except Exception as exc:  # a broken installation must not stop the run
+        _warn(f"cannot list entry points of group {ENTRY_POINT_GROUP!r}: {type(exc).__name__}: {exc}")
+        return
+    seen = set()
+    for entry_point in entry_points:
+        if allowed is not None and entry_point.name not in allowed:
+            continue
+        seen.add(entry_point.name)
+        dist = getattr(getattr(entry_point, "dist", None), "name", None)
+        source = f"{dist} (entry point {entry_point.name})" if dist else f"entry point {entry_point.name}"
+        plugin_name = f"entrypoint:{entry_point.name}"
+        try:
+            plugin = entry_point.load()
+            manager.register(plugin, name=plugin_name)
+        except Exception as exc:
+            target = getattr(entry_point, "value", "?")
+            _warn(f"skipped plugin {source} = {target}: {type(exc).__name__}: {exc}")
+            continue
+        _sources[plugin_name] = source
+    for name in sorted((allowed or set()) - seen):
+        _warn(f"{ALLOWLIST_ENV} names {name!r}, but no entry point of group {ENTRY_POINT_GROUP!r} does")
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, built on first call."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+            manager.add_hookspecs(hookspecs)
+            _register_builtins(manager)
+            _register_entry_points(manager)
+            _manager = manager
+        return _manager
+
+
+def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str:
+    """Register a plugin object (a module or an instance with ``@hookimpl`` methods) at runtime.
+
+    Returns its pluggy name. The registry is rebuilt on its next use.
+    """
+    global _registry
+    with _lock:
+        manager = get_plugin_manager()
+        plugin_name = manager.register(plugin, name=name)
+        if plugin_name is None:
+            raise SpecterError(f"plugin {plugin!r} is blocked and cannot be registered")
+        label = getattr(plugin, "__name__", None) or f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+        _sources[plugin_name] = f"registered at runtime ({label})"
+        _registry = None
+        return plugin_name
+
+
+def reset_plugins() -> None:
+    """Forget the manager, registry and runtime registrations; the next use rebuilds them."""
+    global _manager, _registry
+    with _lock:
+        _manager = None
+        _registry = None
+        _sources.clear()
+        _builtin_names.clear()
+        _skipped.clear()
+
+
+def _collect(manager: pluggy.PluginManager) -> dict[str, dict[str, PluginEntry]]:
+    """Call each hook implementation on its own, so every registration knows its source."""
+    entries: dict[str, dict[str, PluginEntry]] = {kind: {} for kind in KINDS}
+    for kind, hook_name in HOOK_BY_KIND.items():
+        for impl in getattr(manager.hook, hook_name).get_hookimpls():
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            source = _sources.get(impl.plugin_name, impl.plugin_name)
+            offered: list[tuple[object, object]] = []
+            arguments = {"register": lambda name, factory: offered.append((name, factory))}
+            try:
+                impl.function(**{arg: arguments[arg] for arg in impl.argnames})
+            except Exception as exc:
+                if impl.plugin_name in _builtin_names:
+                    raise
+                _warn(f"skipped plugin {source}: {hook_name} raised {type(exc).__name__}: {exc}")
+                continue
+            for name, factory in offered:
+                _add(entries[kind], kind, name, factory, source)
+    return entries
+
+
+def _add(plugins: dict[str, PluginEntry], kind: str, name: object, factory: object, source: str) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise SpecterError(
+            f"{source} registered a {kind} named {name!r}; names are lowercase letters, digits, '.', '_', '-'"
+        )
+    if not callable(factory):
+        raise SpecterError(f"{source} registered {kind} {name!r} with a factory that is not callable")
+    existing = plugins.get(name)
+    if existing is not None:
+        if existing.factory is factory:
+            return
+        raise SpecterError(
+            f"{kind} {name!r} is registered twice, by {existing.source} and by {source}; "
+            f"uninstall one, or restrict external plugins with {ALLOWLIST_ENV}"
+        )
+    plugins[name] = PluginEntry(kind, name, factory, source)  # type: ignore[arg-type]
+
+
+def registry() -> Registry:
+    """The registry of every plugin the manager knows, built once and cached."""
+    global _registry
+    with _lock:
+        if _registry is None:
+            manager = get_plugin_manager()
+            _registry = Registry(_collect(manager), _skipped)
+        return _registry
+
+
+def format_plugin_list() -> str:
+    """Every plugin by kind with its source (what ``specter.run --list-plugins`` prints)."""
+    plugins = registry()
+    allow = os.environ.get(ALLOWLIST_ENV)
+    external = "all" if allow is None else (f"only {allow}" if allow.strip() else "none")
+    lines = [f"external plugins (entry-point group {ENTRY_POINT_GROUP!r}, {ALLOWLIST_ENV}): {external}"]
+    for kind in KINDS:
+        lines.append(f"{kind}:")
+        entries = plugins.entries(kind)
+        width = max((len(entry.name) for entry in entries), default=0)
+        lines.extend(f"  {entry.name:<{width}}  {entry.source}" for entry in entries)
+        if not entries:
+            lines.append("  (none registered)")
+    if plugins.skipped:
+        lines.append("skipped:")
+        lines.extend(f"  {_one_line(message)}" for message in plugins.skipped)
+    return "\n".join(lines)

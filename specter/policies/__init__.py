@@ -1,0 +1,17 @@
+"""Cache policies: the interface (``base``) and the built-ins ``lru`` and ``lfu``, registered
+through the ``register_cache_policies`` hook like any third-party policy."""
+
+from __future__ import annotations
+
+from specter.hookspecs import Register, hookimpl
+from specter.policies.base import CachePolicy, ExpertKey, Hint
+from specter.policies.lfu import LFUPolicy
+from specter.policies.lru import LRUPolicy
+
+__all__ = ["CachePolicy", "ExpertKey", "Hint", "LFUPolicy", "LRUPolicy"]
+
+
+@hookimpl
+def register_cache_policies(register: Register) -> None:
+    register("lru", LRUPolicy)
+    register("lfu", LFUPolicy)

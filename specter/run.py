@@ -1,0 +1,95 @@
+"""Command line: ``python -m specter.run RECIPE [--set key=value ...] [--report out.json]``.
+
+Contract: loads and validates the recipe (errors: one line on stderr, exit code 2, no traceback),
+runs it through ``specter.api.run_recipe``, prints each prompt's generated text and a summary
+table on stdout, progress on stderr, and with ``--report`` writes the JSON report.
+``--list-plugins`` prints the registered plugins by kind; ``--explain`` every recipe key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+EXIT_USAGE = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m specter.run",
+        description="Run a Specter recipe: generate text with an MoE model whose experts are offloaded.",
+    )
+    parser.add_argument("recipe", nargs="?", help="recipe YAML file (see recipes/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set offload.expert_budget=0.25 (repeatable)")
+    parser.add_argument("--report", type=Path, help="write the JSON report here")
+    parser.add_argument("--list-plugins", action="store_true", help="print the registered plugins and exit")
+    parser.add_argument("--explain", action="store_true", help="print every recipe key with its type, default and doc")
+    parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    return parser.parse_args(argv)
+
+
+def progress_printer(quiet: bool):
+    started = time.perf_counter()
+
+    def say(message: str) -> None:
+        if not quiet:
+            print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specter.errors import SpecterError
+
+    args = parse_args(argv)
+    try:
+        if args.list_plugins:
+            from specter.plugins import format_plugin_list
+
+            print(format_plugin_list())
+            return 0
+        if args.explain:
+            from specter.recipe import describe
+
+            print(describe())
+            return 0
+        if not args.recipe:
+            print("error: a recipe file is required (try recipes/quickstart.yaml)", file=sys.stderr)
+            return EXIT_USAGE
+        from specter.api import run_recipe
+        from specter.recipe import load_recipe
+        from specter.report import format_summary
+
+        recipe = load_recipe(args.recipe, args.overrides)
+        result = run_recipe(recipe, progress=progress_printer(args.quiet))
+    except SpecterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+    prompts_text = recipe.resolved_prompts()
+    for index, (prompt, text) in enumerate(zip(prompts_text, result.texts)):
+        prompt_shown = prompt if isinstance(prompt, str) else str(prompt)
+        print(f"=== prompt {index + 1} ===")
+        print(prompt_shown, end="")
+        print(f"\033[1m{text}\033[0m" if sys.stdout.isatty() else text)
+    print("=== summary ===")
+    print(format_summary(result.report))
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(result.report, indent=2) + "\n")
+        print(f"report written to {args.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

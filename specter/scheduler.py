@@ -1,0 +1,106 @@
+"""The prefetch scheduler: turns expert predictions into ordered prefetches under the budget.
+
+Contract (the three phases of MoE-SpeQ), per speculation round:
+1. ``begin_round()``; predictions arrive through ``add(layer, experts, confidences)``. A predicted
+   expert already in the cache is protected (no prefetch may evict it) and needs nothing else.
+2. ``pump()`` (called at every layer the draft runs) issues pending prefetches in the order the
+   verification pass will need them — layer order, then confidence — keeping at most
+   ``max_in_flight`` transfers queued on the link, so a late, earlier-layer prediction still
+   overtakes an early, later-layer one.
+3. ``flush()`` just before verification issues every remaining predicted expert.
+``end_round(used)`` compares what was predicted with what the target used, then lifts the
+protection. Every predicted expert of the round is protected, so a prefetch never evicts an
+expert predicted for the coming pass; the cache policy also receives the ordered buffer as hints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from specter.policies.base import ExpertKey
+
+
+@dataclass
+class SchedulerStats:
+    rounds: int = 0
+    predicted: int = 0  # distinct (layer, expert) predicted, summed over rounds
+    used: int = 0  # distinct (layer, expert) the target used in those rounds
+    predicted_and_used: int = 0
+    cached_at_prediction: int = 0  # phase 1: already in the cache when predicted
+    issued_while_drafting: int = 0  # phase 2
+    issued_at_flush: int = 0  # phase 3
+    not_admitted: int = 0  # prefetches the cache could not place (no evictable slot)
+
+    def recall(self) -> float | None:
+        return self.predicted_and_used / self.used if self.used else None
+
+    def precision(self) -> float | None:
+        return self.predicted_and_used / self.predicted if self.predicted else None
+
+
+class PrefetchScheduler:
+    def __init__(self, cache, max_in_flight: int = 2) -> None:
+        self.cache = cache
+        self.max_in_flight = max_in_flight
+        self.stats = SchedulerStats()
+        self._predicted: dict[ExpertKey, float] = {}
+        self._pending: dict[ExpertKey, float] = {}
+        self._active = False
+
+    def begin_round(self) -> None:
+        self._predicted.clear()
+        self._pending.clear()
+        self._active = True
+
+    def add(self, layer: int, experts: Sequence[int], confidences: Sequence[float]) -> None:
+        if not self._active:
+            return
+        new_keys = []
+        for expert, confidence in zip(experts, confidences):
+            key = (layer, int(expert))
+            if key not in self._predicted:
+                new_keys.append(key)
+                if self.cache.contains(key):
+                    self.stats.cached_at_prediction += 1
+                else:
+                    self._pending[key] = float(confidence)
+            self._predicted[key] = max(self._predicted.get(key, 0.0), float(confidence))
+        if new_keys:
+            self.cache.protect(new_keys)
+
+    def ordered(self, keys: Iterable[ExpertKey]) -> list[ExpertKey]:
+        return sorted(keys, key=lambda k: (k[0], -self._predicted.get(k, 0.0), k[1]))
+
+    def _issue(self, limit: int | None) -> int:
+        issued = 0
+        for key in self.ordered(self._pending):
+            if limit is not None and self.cache.in_flight >= limit:
+                break
+            del self._pending[key]
+            if self.cache.contains(key):
+                continue
+            if self.cache.prefetch(key[0], key[1], self._predicted[key]):
+                issued += 1
+            else:
+                self.stats.not_admitted += 1
+        return issued
+
+    def pump(self) -> None:
+        if self._pending:
+            self.stats.issued_while_drafting += self._issue(self.max_in_flight)
+
+    def flush(self) -> None:
+        self.cache.policy.on_hints([(key, self._predicted[key]) for key in self.ordered(self._predicted)])
+        if self._pending:
+            self.stats.issued_at_flush += self._issue(None)
+
+    def end_round(self, used: set[ExpertKey]) -> None:
+        predicted = set(self._predicted)
+        self.stats.rounds += 1
+        self.stats.predicted += len(predicted)
+        self.stats.used += len(used)
+        self.stats.predicted_and_used += len(predicted & used)
+        self.cache.unprotect_all()
+        self._pending.clear()
+        self._active = False

@@ -1,0 +1,188 @@
+"""Speculative engines: ``specter`` (INT4 self-draft + lookahead prefetch) and ``router-lookahead``.
+
+Contract of one ``specter`` round (batch 1, one shared ``DynamicCache``):
+1. The governor picks k. The draft — the same model with its routed experts switched to the
+   resident INT4 copies; attention, norms, routers, embeddings and KV cache are the target's own
+   — runs k steps from the last emitted token, appending temporary KV entries. Its routing at
+   every (position, layer) fills the scheduler's lookahead buffer and prefetches start at once.
+   With ``lookahead_last`` one more draft step runs over the k-th drafted token for its routing
+   only, so every one of the k+1 verified positions has a prediction.
+2. The scheduler flushes every remaining predicted expert; the KV cache is cropped back to the
+   round's start.
+3. The target runs once over the k+1 tokens (last emitted token + k drafts), experts from the
+   device cache (misses load on demand), tokens routed to the same expert computed together.
+4. Greedy: the longest prefix matching the target's argmax plus the target's next token.
+   Sampling: exact rejection sampling against the draft's probabilities, so the output follows
+   the target's distribution. The KV cache is cropped to the accepted length.
+The ``router-lookahead`` engine decodes one token per target step and prefetches layer L+1's
+experts from layer L's hidden state (no draft).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specter.acceptance import greedy_verify, rejection_verify
+from specter.engine import OffloadedEngine
+from specter.experts import SlotView
+from specter.generate import forward_logits, new_kv_cache, synchronize
+from specter.kernels.int4_experts import Int4Experts
+from specter.sampling import logits_to_probs, sample
+from specter.scheduler import PrefetchScheduler
+
+
+def build_draft(layers, store, device: torch.device, group_size: int) -> dict[int, Int4Experts]:
+    """INT4 copies of every MoE layer's routed experts, resident on ``device``, quantized one layer
+    at a time from the host store (only one layer's full-precision experts visit the device)."""
+    draft = {}
+    for info in layers:
+        weights = {name: tensor.to(device) for name, tensor in store.stacked(info.layer).items()}
+        proxy = SlotView(info.experts, weights)
+        draft[info.layer] = Int4Experts.from_module(proxy, group_size=group_size)
+        for name in weights:
+            if not name.endswith("_bias"):
+                object.__setattr__(proxy, name, None)
+        del weights
+    return draft
+
+
+class PrefetchingEngine(OffloadedEngine):
+    """An offloaded engine with a predictor feeding a prefetch scheduler."""
+
+    def __init__(self, *args, predictor, max_in_flight: int = 2, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scheduler = PrefetchScheduler(self.cache, max_in_flight=max_in_flight)
+        self.predictor = predictor
+        self.predictor.bind(self.scheduler, self.runtime.layers)
+        self.runtime.observers.append(self.predictor.observe)
+        self._used: set[tuple[int, int]] = set()
+        self.runtime.observers.append(self._record_use)
+
+    def _record_use(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
+        if mode == "target":
+            self._used.update((layer, e) for e in top_k_index.unique().tolist())
+
+    def begin_round(self) -> None:
+        self._used = set()
+        self.scheduler.begin_round()
+
+    def end_round(self) -> None:
+        self.scheduler.end_round(self._used)
+
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.scheduler.stats = type(self.scheduler.stats)()
+
+    def engine_report(self) -> dict:
+        report = super().engine_report()
+        stats = self.scheduler.stats
+        report["prefetch_precision"] = self.cache.stats.prefetch_precision() if self.cache.stats.prefetch_issued else None
+        report["prediction"] = {
+            "predictor": self.predictor.name,
+            "recall": stats.recall(), "precision": stats.precision(),
+            "cached_at_prediction": stats.cached_at_prediction,
+            "issued_while_drafting": stats.issued_while_drafting, "issued_at_flush": stats.issued_at_flush,
+            "not_admitted": stats.not_admitted,
+        }
+        return report
+
+
+class RouterLookaheadEngine(PrefetchingEngine):
+    name = "router-lookahead"
+
+    def decode_prompt(self, prompt_ids, max_new_tokens, generator, metrics, on_step) -> list[int]:
+        kv = new_kv_cache(self.model)
+        token = self.prefill(prompt_ids, kv, generator, metrics)
+        new_tokens = [token]
+        while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
+            started = time.perf_counter()
+            self.begin_round()
+            logits = forward_logits(self.model, torch.tensor([[token]], device=self.device), kv)
+            self.end_round()
+            token = int(sample(logits[-1], self.sampling, generator))
+            synchronize(self.device)
+            metrics.observe_decode_step(1, time.perf_counter() - started)
+            new_tokens.append(token)
+            if on_step:
+                on_step(len(new_tokens))
+        return new_tokens
+
+
+class SpecterEngine(PrefetchingEngine):
+    name = "specter"
+
+    def __init__(self, *args, draft: dict[int, Int4Experts], governor, lookahead_last: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.runtime.draft = draft
+        self.draft = draft
+        self.governor = governor
+        self.lookahead_last = lookahead_last and self.predictor.needs_draft
+
+    def engine_report(self) -> dict:
+        report = super().engine_report()
+        draft_bytes = sum(d.nbytes for d in self.draft.values())
+        device_bytes = report["device_bytes"]
+        device_bytes["draft"] = draft_bytes
+        device_bytes["total"] += draft_bytes
+        report["draft"] = {"bits": 4, "group_size": next(iter(self.draft.values())).group_size,
+                           "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.lookahead_last}
+        return report
+
+    def _draft_tokens(self, token: int, k: int, kv, generator) -> tuple[list[int], torch.Tensor | None]:
+        drafted: list[int] = []
+        probs: list[torch.Tensor] = []
+        steps = k + (1 if self.lookahead_last else 0)
+        with self.runtime.drafting():
+            current = token
+            for step in range(steps):
+                logits = forward_logits(self.model, torch.tensor([[current]], device=self.device), kv)[-1]
+                if step == k:
+                    break  # routing-only step over the last drafted token
+                if self.sampling.greedy:
+                    current = int(logits.argmax())
+                else:
+                    q = logits_to_probs(logits, self.sampling)
+                    current = int(torch.multinomial(q, 1, generator=generator))
+                    probs.append(q)
+                drafted.append(current)
+        return drafted, (torch.stack(probs) if probs else None)
+
+    def decode_prompt(self, prompt_ids, max_new_tokens, generator, metrics, on_step) -> list[int]:
+        kv = new_kv_cache(self.model)
+        token = self.prefill(prompt_ids, kv, generator, metrics)
+        new_tokens = [token]
+        while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
+            started = time.perf_counter()
+            k = max(0, min(self.governor.next_k(), max_new_tokens - len(new_tokens) - 1))
+            base_length = kv.get_seq_length()
+            self.begin_round()
+            drafted, draft_probs = self._draft_tokens(token, k, kv, generator)
+            kv.crop(base_length)
+            self.scheduler.flush()
+            verify_ids = torch.tensor([[token] + drafted], device=self.device)  # [1, k+1]
+            target_logits = forward_logits(self.model, verify_ids, kv)  # [k+1, V]
+            self.end_round()
+            if self.sampling.greedy:
+                result = greedy_verify(torch.tensor(drafted, dtype=torch.long, device=target_logits.device), target_logits)
+            else:
+                target_probs = logits_to_probs(target_logits, self.sampling)
+                draft_tokens = torch.tensor(drafted, dtype=torch.long, device=target_probs.device)
+                if draft_probs is None:
+                    draft_probs = target_probs[:0]
+                result = rejection_verify(draft_tokens, draft_probs.to(target_probs.device), target_probs, generator)
+            kv.crop(base_length + 1 + result.accepted)
+            emitted = result.tokens
+            if self.eos_token_id in emitted:
+                emitted = emitted[: emitted.index(self.eos_token_id) + 1]
+            emitted = emitted[: max_new_tokens - len(new_tokens)]
+            synchronize(self.device)
+            metrics.observe_decode_step(len(emitted), time.perf_counter() - started)
+            metrics.observe_draft(k, result.accepted)
+            self.governor.observe(drafted=k, accepted=result.accepted)
+            new_tokens.extend(emitted)
+            token = new_tokens[-1]
+            if on_step:
+                on_step(len(new_tokens))
+        return new_tokens

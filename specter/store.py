@@ -1,0 +1,108 @@
+"""ExpertStore: the host-side copy of every routed expert of a model.
+
+Contract: built from ``{layer_index: {param_name: stacked tensor [n_experts, ...]}}`` where layer
+indices follow the model's own numbering (they may skip dense layers). Every layer carries the same
+parameter names, per-expert shapes and dtype, else ``SpecterError``. ``expert(layer, e)`` returns
+views (no copies) of one expert's parameters. With ``pin=True`` and CUDA present, the stacked
+tensors are moved to page-locked memory one at a time, so that host-to-device copies can be
+asynchronous while the peak extra RAM stays at one tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from specter.errors import SpecterError
+
+
+class ExpertStore:
+    def __init__(self, layers: Mapping[int, Mapping[str, torch.Tensor]], pin: bool = False) -> None:
+        if not layers:
+            raise SpecterError("ExpertStore needs at least one MoE layer")
+        self._layers: dict[int, dict[str, torch.Tensor]] = {}
+        reference: tuple[int, dict[str, tuple[int, ...]], torch.dtype] | None = None
+        for layer in sorted(layers):
+            params = dict(layers[layer])
+            if not params:
+                raise SpecterError(f"ExpertStore: layer {layer} has no expert parameters")
+            signature = _signature(layer, params)
+            if reference is None:
+                reference = signature
+            elif signature != reference:
+                raise SpecterError(
+                    f"ExpertStore: layer {layer} has experts {_describe(signature)}, "
+                    f"but layer {sorted(layers)[0]} has {_describe(reference)}; all layers must match"
+                )
+            self._layers[layer] = params
+        assert reference is not None
+        self._n_experts, self._param_shapes, self._dtype = reference
+        self.pinned = False
+        if pin and torch.cuda.is_available():
+            for params in self._layers.values():
+                for name in params:
+                    params[name] = params[name].pin_memory()
+            self.pinned = True
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self._layers)
+
+    @property
+    def n_experts(self) -> int:
+        return self._n_experts
+
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._param_shapes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def expert_bytes(self) -> int:
+        item = torch.empty((), dtype=self._dtype).element_size()
+        return sum(_numel(shape) * item for shape in self._param_shapes.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.expert_bytes * self._n_experts * len(self._layers)
+
+    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        if layer not in self._layers:
+            raise KeyError(f"layer {layer} is not an MoE layer of this store (have {self.layers})")
+        if not 0 <= expert < self._n_experts:
+            raise IndexError(f"expert {expert} out of range 0..{self._n_experts - 1}")
+        return {name: stacked[expert] for name, stacked in self._layers[layer].items()}
+
+    def stacked(self, layer: int) -> dict[str, torch.Tensor]:
+        """The stacked host tensors of one layer, ``{name: [n_experts, ...]}`` (not copies)."""
+        return dict(self._layers[layer])
+
+
+def _signature(
+    layer: int, params: dict[str, torch.Tensor]
+) -> tuple[int, dict[str, tuple[int, ...]], torch.dtype]:
+    counts = {t.shape[0] if t.dim() else None for t in params.values()}
+    dtypes = {t.dtype for t in params.values()}
+    if len(counts) != 1 or None in counts:
+        raise SpecterError(f"ExpertStore: layer {layer} params disagree on n_experts: "
+                           f"{ {n: tuple(t.shape) for n, t in params.items()} }")
+    if len(dtypes) != 1:
+        raise SpecterError(f"ExpertStore: layer {layer} mixes dtypes {sorted(map(str, dtypes))}")
+    shapes = {name: tuple(t.shape[1:]) for name, t in sorted(params.items())}
+    return counts.pop(), shapes, dtypes.pop()
+
+
+def _describe(signature: tuple[int, dict[str, tuple[int, ...]], torch.dtype]) -> str:
+    n, shapes, dtype = signature
+    return f"n={n} {shapes} {dtype}"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,64 @@
+"""Predictors: what each built-in feeds the prefetch scheduler for a given routing event."""
+
+from __future__ import annotations
+
+import torch
+
+from specter.layout import moe_layers
+from specter.plugins import registry
+from specter.predictors import NonePredictor
+from specter.predictors.draft import DraftPredictor
+from specter.predictors.router_lookahead import RouterLookaheadPredictor
+from specter.zoo import random_model
+
+
+class RecordingScheduler:
+    def __init__(self) -> None:
+        self.added: list[tuple[int, list[int], list[float]]] = []
+        self.pumps = self.flushes = 0
+
+    def add(self, layer, experts, confidences) -> None:
+        self.added.append((layer, list(experts), list(confidences)))
+
+    def pump(self) -> None:
+        self.pumps += 1
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_builtin_predictors_are_registered():
+    assert {"draft", "router-lookahead", "none"} <= set(registry().names("predictor"))
+
+
+def test_none_predictor_adds_nothing():
+    predictor, scheduler = NonePredictor(), RecordingScheduler()
+    predictor.bind(scheduler, {})
+    predictor.observe(0, torch.zeros(2, 8), torch.tensor([[1, 3], [2, 3]]), torch.ones(2, 2), "draft")
+    assert scheduler.added == []
+
+
+def test_draft_predictor_forwards_draft_routing_only():
+    predictor, scheduler = DraftPredictor(), RecordingScheduler()
+    predictor.bind(scheduler, {})
+    index, weights = torch.tensor([[1, 3]]), torch.tensor([[0.7, 0.3]])
+    predictor.observe(2, torch.zeros(1, 8), index, weights, "target")
+    assert scheduler.added == []
+    predictor.observe(2, torch.zeros(1, 8), index, weights, "draft")
+    assert scheduler.added == [(2, [1, 3], [0.699999988079071, 0.30000001192092896])]
+    assert scheduler.pumps == 1
+
+
+def test_router_lookahead_uses_the_next_layers_router():
+    torch.manual_seed(0)
+    model = random_model("mixtral", seed=0)
+    layers = {m.layer: m for m in moe_layers(model)}
+    predictor, scheduler = RouterLookaheadPredictor(), RecordingScheduler()
+    predictor.bind(scheduler, layers)
+    hidden = torch.randn(3, model.config.hidden_size)
+    predictor.observe(0, hidden, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), "target")
+    expected = (hidden @ layers[1].router.weight.T).topk(2, dim=-1).indices.flatten().tolist()
+    assert scheduler.added[0][0] == 1 and scheduler.added[0][1] == expected
+    assert scheduler.flushes == 1
+    predictor.observe(1, hidden, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), "target")
+    assert len(scheduler.added) == 1  # the last MoE layer has no next router
