@@ -117,7 +117,7 @@ class ExpertCache:
 
     @property
     def in_flight(self) -> int:
-        """Transfers issued and not yet promoted to READY (call ``poll`` to refresh)."""
+        """Transfers issued and not yet complete (polls first)."""
         self.poll()
         return len(self._loading)
 

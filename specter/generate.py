@@ -30,3 +30,10 @@ def new_kv_cache(model) -> DynamicCache:
     if hasattr(cache, "activate_past_recording"):  # sliding-window layers must be croppable
         cache.activate_past_recording()
     return cache
+
+
+def crop_to(cache: DynamicCache, length: int) -> None:
+    """Drop the newest entries so ``length`` positions remain (transformers 5 crops by a negative count)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)

@@ -462,7 +462,7 @@ class LinkConfig(_Section):
 
     _path = "offload.link"
     kind: str = _field("link plugin moving expert bytes host->device (see --list-plugins), or auto "
-                       "(cuda on a CUDA device, else emulated)", "emulated",
+                       "(cuda on a CUDA device, else emulated)", "auto",
                        **_non_empty("plugin name"))
     gbps: float = _field("bandwidth in GB/s (the emulated link paces copies to it)", 2.0,
                          check=lambda v: v > 0, allowed="a number > 0")

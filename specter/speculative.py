@@ -27,7 +27,7 @@ import torch
 from specter.acceptance import greedy_verify, rejection_verify
 from specter.engine import OffloadedEngine
 from specter.experts import SlotView
-from specter.generate import forward_logits, new_kv_cache, synchronize
+from specter.generate import crop_to, forward_logits, new_kv_cache, synchronize
 from specter.kernels.int4_experts import Int4Experts
 from specter.sampling import logits_to_probs, sample
 from specter.scheduler import PrefetchScheduler
@@ -159,7 +159,7 @@ class SpecterEngine(PrefetchingEngine):
             base_length = kv.get_seq_length()
             self.begin_round()
             drafted, draft_probs = self._draft_tokens(token, k, kv, generator)
-            kv.crop(base_length)
+            crop_to(kv, base_length)
             self.scheduler.flush()
             verify_ids = torch.tensor([[token] + drafted], device=self.device)  # [1, k+1]
             target_logits = forward_logits(self.model, verify_ids, kv)  # [k+1, V]
@@ -172,7 +172,7 @@ class SpecterEngine(PrefetchingEngine):
                 if draft_probs is None:
                     draft_probs = target_probs[:0]
                 result = rejection_verify(draft_tokens, draft_probs.to(target_probs.device), target_probs, generator)
-            kv.crop(base_length + 1 + result.accepted)
+            crop_to(kv, base_length + 1 + result.accepted)
             emitted = result.tokens
             if self.eos_token_id in emitted:
                 emitted = emitted[: emitted.index(self.eos_token_id) + 1]

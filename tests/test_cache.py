@@ -285,10 +285,10 @@ def test_emulated_link_prefetch_is_waited_for_at_acquire() -> None:
     try:
         cache = make_cache(n_slots=2, link=link)
         assert cache.prefetch(0, 3)
-        assert cache.contains((0, 3)) and not cache.is_ready((0, 3))
+        assert cache.contains((0, 3)) and not cache.is_ready((0, 3)) and cache.in_flight == 1
         assert int(cache.slot_table[0, 3]) == -1
         [slot] = cache.acquire(0, [3])
-        assert cache.is_ready((0, 3)) and int(cache.slot_table[0, 3]) == slot
+        assert cache.is_ready((0, 3)) and int(cache.slot_table[0, 3]) == slot and cache.in_flight == 0
         assert torch.equal(cache.slots["gate_up_proj"][slot], cache.store.expert(0, 3)["gate_up_proj"])
         assert cache.stats.prefetch_late == 1 and cache.stats.hits == 1
         assert cache.stats.transfer_wait_s > 0.01

@@ -107,20 +107,35 @@ class CacheMachine(RuleBasedStateMachine):
         self.held: list[tuple[int, list[int]]] = []
         self.pins: Counter[ExpertKey] = Counter()
         self.pinned_at: dict[ExpertKey, int] = {}
-        self.expected_hits = 0
-        self.expected_misses = 0
+        self.expected = Counter()
+        self.unused_prefetches: set[ExpertKey] = set()
         self.x = torch.randn(2, 3, generator=gen)
 
     # ----- rules -------------------------------------------------------------------------------
 
     @rule(data=st.data())
     def acquire(self, data: st.DataObject) -> None:
-        cache = self.cache
         layer = data.draw(st.sampled_from(self.store.layers), label="layer")
         experts = data.draw(st.lists(st.integers(0, self.store.n_experts - 1), min_size=1,
-                                     max_size=cache.capacity + 1), label="experts")
+                                     max_size=self.cache.capacity + 1), label="experts")
+        self.acquire_and_check(layer, experts)
+
+    @precondition(lambda self: any(self.cache.state(s) is SlotState.LOADING for s in range(self.cache.n_slots)))
+    @rule(data=st.data())
+    def acquire_a_loading_key(self, data: st.DataObject) -> None:
+        loading = [self.cache.key_in(s) for s in range(self.cache.n_slots)
+                   if self.cache.state(s) is SlotState.LOADING]
+        layer, expert = data.draw(st.sampled_from(loading), label="loading key")
+        others = data.draw(st.lists(st.integers(0, self.store.n_experts - 1),
+                                    max_size=self.cache.capacity - 1), label="others")
+        self.acquire_and_check(layer, [expert, *others])
+
+    def acquire_and_check(self, layer: int, experts: list[int]) -> None:
+        cache = self.cache
         distinct = {(layer, e) for e in experts}
         present = {k for k in distinct if cache.contains(k)}
+        in_flight = {k for k in present if not self.copy_complete(cache.slot_of(k))}
+        resident = set(cache.resident_keys())
         occupied = len(set(self.pins) | present)
         should_refuse = len(distinct) > cache.capacity or len(distinct - present) > cache.n_slots - occupied
         try:
@@ -129,8 +144,13 @@ class CacheMachine(RuleBasedStateMachine):
             assert should_refuse, f"refused {experts} of layer {layer} with room for it"
             return
         assert not should_refuse, f"accepted {experts} of layer {layer} beyond the budget"
-        self.expected_hits += len(present)
-        self.expected_misses += len(distinct) - len(present)
+        self.expected["hits"] += len(present)
+        self.expected["misses"] += len(distinct) - len(present)
+        for key in present & self.unused_prefetches:
+            self.unused_prefetches.discard(key)
+            self.expected["prefetch_used"] += 1
+            self.expected["prefetch_late"] += key in in_flight
+        self.note_evictions(resident)
         assert len(slots) == len(experts)
         for expert, slot in zip(experts, slots):
             key = (layer, expert)
@@ -175,6 +195,10 @@ class CacheMachine(RuleBasedStateMachine):
             assert issued, f"a refused prefetch evicted {evicted}"
             assert evicted not in self.pins and evicted not in protected
             assert before[evicted], f"prefetch evicted {evicted} mid-copy"
+        self.note_evictions(set(before))
+        if issued:
+            self.expected["prefetch_issued"] += 1
+            self.unused_prefetches.add(key)
 
     @rule(data=st.data())
     def protect(self, data: st.DataObject) -> None:
@@ -205,6 +229,13 @@ class CacheMachine(RuleBasedStateMachine):
         assert all(self.cache.state(s) is not SlotState.LOADING for s in range(self.cache.n_slots))
 
     # ----- invariants --------------------------------------------------------------------------
+
+    def note_evictions(self, resident_before: set[ExpertKey]) -> None:
+        for evicted in resident_before - set(self.cache.resident_keys()):
+            self.expected["evictions"] += 1
+            if evicted in self.unused_prefetches:
+                self.unused_prefetches.discard(evicted)
+                self.expected["prefetch_wasted"] += 1
 
     def copy_complete(self, slot: int) -> bool:
         if self.cache.state(slot) is SlotState.READY:
@@ -265,7 +296,9 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def counters_add_up(self) -> None:
         stats, cache = self.cache.stats, self.cache
-        assert (stats.hits, stats.misses) == (self.expected_hits, self.expected_misses)
+        for name in ("hits", "misses", "evictions", "prefetch_issued", "prefetch_used", "prefetch_late",
+                     "prefetch_wasted"):
+            assert getattr(stats, name) == self.expected[name], f"stats.{name}"
         assert stats.hits + stats.misses == stats.acquired_keys
         assert stats.misses == stats.demand_loads
         loads = stats.demand_loads + stats.prefetch_issued
@@ -281,7 +314,7 @@ class LocalLinkMachine(CacheMachine):
     manual_link = False
 
 
-MACHINE_SETTINGS = settings(max_examples=200, stateful_step_count=30, deadline=None,
+MACHINE_SETTINGS = settings(max_examples=300, stateful_step_count=30, deadline=None,
                             suppress_health_check=[HealthCheck.too_slow])
 
 TestCacheWithManualLink = CacheMachine.TestCase

@@ -55,7 +55,7 @@ def test_defaults_load_from_empty_mapping_and_empty_file(tmp_path):
     assert recipe.engine == "resident"
     assert recipe.max_new_tokens == 64
     assert recipe.offload.expert_budget == ExpertBudget("fraction", 0.5)
-    assert recipe.offload.link.gbps == 2.0 and recipe.offload.link.kind == "emulated"
+    assert recipe.offload.link.gbps == 2.0 and recipe.offload.link.kind == "auto"
     assert recipe.speculation.governor.k == 4 and recipe.speculation.draft.group_size == 64
     assert recipe.check_lossless is True and recipe.allow_pickle is False
     empty = tmp_path / "empty.yaml"
@@ -461,7 +461,7 @@ def test_describe_lists_every_key_with_type_default_and_doc():
         assert f"\n{key}: " in "\n" + text
     assert 'max_new_tokens: int = 64\n    tokens generated per prompt' in text
     assert "offload.expert_budget: float | {per_layer: int} | {experts: int} | str = 0.5" in text
-    assert 'offload.link.kind: str = "emulated"' in text
+    assert 'offload.link.kind: str = "auto"' in text
 
 
 def test_schema_keeps_the_published_key_names():

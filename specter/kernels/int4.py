@@ -131,7 +131,9 @@ class Int4Weight:
         return self.packed.nbytes + self.scales.nbytes
 
     @classmethod
-    def from_quantized(cls, q: Tensor, scales: Tensor, in_features: int, group_size: int, backend: Backend) -> Int4Weight:
+    def from_quantized(
+        cls, q: Tensor, scales: Tensor, in_features: int, group_size: int, backend: Backend
+    ) -> Int4Weight:
         """Packs ``q [N, Kp]`` int8 in [-8, 7] and ``scales [N, G]`` bf16 for ``backend``."""
         n, kp = q.shape
         if backend == "reference":
@@ -162,16 +164,17 @@ class Int4Weight:
         """The integers q [N, K] int8 in [-8, 7]."""
         n, k = self.shape
         if self.backend == "reference":
-            low = (self.packed & 15).to(torch.int8)
-            high = (self.packed >> 4).to(torch.int8)
-            return (torch.stack([low, high], dim=-1).reshape(n, -1)[:, :k] - 8).contiguous()
+            u = torch.stack([self.packed & 15, self.packed >> 4], dim=-1).reshape(n, -1)  # [N, Kp]
+            return (u[:, :k].to(torch.int8) - 8).contiguous()
         # The kernel's packed order depends on the CPU's vector width, so read q back through the
         # kernel itself: identity rows with unit scales give (u - 8) exactly.
         unit = self.scales.clone()
         unit[..., 0] = 1
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu if self.backend == "cpu-int4pack" else torch.ops.aten._weight_int4pack_mm
         eye = torch.eye(k, dtype=torch.bfloat16, device=self.device)
-        cols = [mm(eye[i : i + _DEQUANT_CHUNK].contiguous(), self.packed, self.group_size, unit) for i in range(0, k, _DEQUANT_CHUNK)]
+        cols = [
+            int4_matmul(eye[i : i + _DEQUANT_CHUNK], self.packed, unit, self.backend, self.shape, self.group_size)
+            for i in range(0, k, _DEQUANT_CHUNK)
+        ]  # [K, N] in pieces
         return torch.cat(cols).t().to(torch.int8).contiguous()  # [N, K]
 
     def group_scales(self) -> Tensor:
@@ -179,7 +182,8 @@ class Int4Weight:
         return self.scales if self.backend == "reference" else self.scales[..., 0].t()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``q * scale`` as [N, K] in ``dtype`` (computed in float32)."""
+        """``q * scale`` as [N, K] in ``dtype`` (computed in float32). Kernel backends pay one
+        matmul of K identity rows (see ``int_data``): for tests and conversions, not hot paths."""
         n, k = self.shape
         if self.backend == "reference":
             return dequantize_reference(self.packed, self.scales, k, dtype)

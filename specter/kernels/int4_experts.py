@@ -15,8 +15,10 @@ Contract:
   ``fullgraph=True`` works), which picks by shape: ``forward_gather`` (the chosen experts' packed
   weights gathered by index, a copy each; one single-row matmul pair per (token, slot)) when
   T*k <= E, else ``forward_masked`` (every expert over all T tokens, weighted by its routing
-  weight, 0 where not chosen). On CPU, one thread, compiled: gather beat masked at T*k <= E by
-  1.4-5x (8 experts top-2 and 64 experts top-8); with 3.5 MB experts at T=8 masked was 2x faster.
+  weight, 0 where not chosen). Measured on CPU, one thread, inductor: with T*k <= E gather was
+  1.1-5.6x faster than masked (tied for 3.5 MB experts at T*k = E); with T*k > E (8 experts,
+  top-2, T=8) masked was 1.05x (small experts) to 1.9x (3.5 MB experts) faster. Under
+  ``dynamic=True`` the gather graph specializes on T (one graph per T <= E/k).
 - ``nbytes``: bytes of the INT4 weights, scales and kept biases.
 - ``quantize_model_experts(model, group_size) -> {layer index: Int4Experts}`` for every experts
   module (3-D ``gate_up_proj`` or ``up_proj`` and ``num_experts``) under ``...layers.<i>...``.
@@ -66,7 +68,8 @@ class Int4Experts:
         self.down, self.down_packed, self.down_scales = down
         self.num_experts = len(self.up)
         self.up_bias, self.down_bias = up_bias, down_bias  # [E, 2I or I], [E, H] or None
-        self.post_norm: nn.Module | None = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
+        has_post_norm = getattr(module, "has_post_expert_norm", False)
+        self.post_norm: nn.Module | None = module.post_expert_norm if has_post_norm else None
 
     @classmethod
     def from_module(cls, module: nn.Module, group_size: int = 64, backend: Backend | None = None) -> Int4Experts:
@@ -191,7 +194,9 @@ class Int4Experts:
         return self._combine(y, top_k_weights, hidden.dtype)
 
 
-def quantize_model_experts(model: nn.Module, group_size: int = 64, backend: Backend | None = None) -> dict[int, Int4Experts]:
+def quantize_model_experts(
+    model: nn.Module, group_size: int = 64, backend: Backend | None = None
+) -> dict[int, Int4Experts]:
     """INT4 copies of every routed-experts module of a transformers MoE model, by decoder layer."""
     found: dict[int, Int4Experts] = {}
     for name, module in model.named_modules():

@@ -26,17 +26,19 @@ COMMON = dict(
 
 def tiny(arch: str, **overrides) -> nn.Module:
     torch.manual_seed(0)
+    overrides = {**COMMON, **overrides}
     if arch == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=INTER, num_local_experts=EXPERTS, **COMMON, **overrides))
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=INTER, num_local_experts=EXPERTS, **overrides))
     elif arch == "gpt-oss":
-        model = GptOssForCausalLM(GptOssConfig(intermediate_size=INTER, num_local_experts=EXPERTS, head_dim=32, **COMMON, **overrides))
+        config = GptOssConfig(intermediate_size=INTER, num_local_experts=EXPERTS, head_dim=32, **overrides)
+        model = GptOssForCausalLM(config)
         for name, p in model.named_parameters():
             if name.endswith("_bias"):  # initialised to zero: make the biases count
                 nn.init.normal_(p, std=0.02)
     elif arch == "qwen2-moe":
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
             intermediate_size=INTER, moe_intermediate_size=INTER, shared_expert_intermediate_size=INTER,
-            num_experts=EXPERTS, **COMMON, **overrides,
+            num_experts=EXPERTS, **overrides,
         ))
     else:
         raise ValueError(arch)
@@ -162,8 +164,10 @@ def test_drives_a_whole_model_through_the_experts_interface() -> None:
         ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(0))
         expected = model(ids).logits
         table = {id(m.module): m for m in quantize_model_experts(model, 64).values()}
+        calls: list[int] = []
 
         def int4_forward(self, hidden, top_k_index, top_k_weights):
+            calls.append(id(self))
             return table[id(self)](hidden, top_k_index, top_k_weights)
 
         ExpertsInterface.register("specter-int4-test", int4_forward)
@@ -172,6 +176,7 @@ def test_drives_a_whole_model_through_the_experts_interface() -> None:
             got = model(ids).logits
         finally:
             model.set_experts_implementation("grouped_mm")
+    assert sorted(calls) == sorted(table)  # one call per MoE layer
     assert rel(got, expected) < 1e-2
 
 
@@ -183,7 +188,8 @@ def test_decode_path_traces_fullgraph(arch: str) -> None:
     with torch.no_grad():
         for tokens in (1, 8):  # gather (T*k <= E), then masked
             hidden, index, weights = routing(tokens, seed=tokens)
-            torch.testing.assert_close(compiled(hidden, index, weights), int4.forward_grouped(hidden, index, weights), rtol=1e-4, atol=1e-6)
+            expected = int4.forward_grouped(hidden, index, weights)
+            torch.testing.assert_close(compiled(hidden, index, weights), expected, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -193,4 +199,5 @@ def test_decode_path_compiles_with_inductor() -> None:
     compiled = torch.compile(int4.forward, fullgraph=True, dynamic=False)
     with torch.no_grad():
         hidden, index, weights = routing(1)
-        torch.testing.assert_close(compiled(hidden, index, weights), int4.forward_grouped(hidden, index, weights), rtol=1e-3, atol=1e-5)
+        expected = int4.forward_grouped(hidden, index, weights)
+        torch.testing.assert_close(compiled(hidden, index, weights), expected, rtol=1e-3, atol=1e-5)
