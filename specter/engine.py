@@ -87,7 +87,9 @@ class Engine:
         new_tokens = [token]
         while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
             started = time.perf_counter()
+            self.begin_round()
             logits = forward_logits(self.model, torch.tensor([[token]], device=self.device), kv)
+            self.end_round()
             token = int(sample(logits[-1], self.sampling, generator))
             synchronize(self.device)
             metrics.observe_decode_step(1, time.perf_counter() - started)
@@ -99,6 +101,12 @@ class Engine:
     def engine_report(self) -> dict:
         """Engine-specific report fields (cache, link, budget); the base fills the rest."""
         return {}
+
+    def begin_round(self) -> None:
+        """Called before every target step (a plain decode step or a speculation round)."""
+
+    def end_round(self) -> None:
+        """Called after the target step's forward pass."""
 
     def reset_counters(self) -> None:
         """Forget cache/link counters (not contents) so a report covers one ``generate`` call."""

@@ -90,24 +90,9 @@ class PrefetchingEngine(OffloadedEngine):
 
 
 class RouterLookaheadEngine(PrefetchingEngine):
-    name = "router-lookahead"
+    """Plain decoding; each step's MoE layer L prefetches layer L+1's predicted experts."""
 
-    def decode_prompt(self, prompt_ids, max_new_tokens, generator, metrics, on_step) -> list[int]:
-        kv = new_kv_cache(self.model)
-        token = self.prefill(prompt_ids, kv, generator, metrics)
-        new_tokens = [token]
-        while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
-            started = time.perf_counter()
-            self.begin_round()
-            logits = forward_logits(self.model, torch.tensor([[token]], device=self.device), kv)
-            self.end_round()
-            token = int(sample(logits[-1], self.sampling, generator))
-            synchronize(self.device)
-            metrics.observe_decode_step(1, time.perf_counter() - started)
-            new_tokens.append(token)
-            if on_step:
-                on_step(len(new_tokens))
-        return new_tokens
+    name = "router-lookahead"
 
 
 class SpecterEngine(PrefetchingEngine):
@@ -130,7 +115,17 @@ class SpecterEngine(PrefetchingEngine):
                            "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.lookahead_last}
         return report
 
-    def _draft_tokens(self, token: int, k: int, kv, generator) -> tuple[list[int], torch.Tensor | None]:
+    def _draft_tokens(self, token: int, k: int, kv, generator, context: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """k drafted tokens and, when sampling, their draft probabilities [k, V]. A predictor with a
+        ``propose(context, k)`` method (e.g. ``ngram``) drafts instead of the INT4 model; its
+        proposals are deterministic, so their draft distribution is one-hot."""
+        propose = getattr(self.predictor, "propose", None)
+        if propose is not None:
+            drafted = [int(t) for t in propose(context, k)][:k]
+            if self.sampling.greedy or not drafted:
+                return drafted, None
+            vocab = self.model.config.vocab_size
+            return drafted, torch.nn.functional.one_hot(torch.tensor(drafted), vocab).float().to(self.device)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
         steps = k + (1 if self.lookahead_last else 0)
@@ -158,7 +153,8 @@ class SpecterEngine(PrefetchingEngine):
             k = max(0, min(self.governor.next_k(), max_new_tokens - len(new_tokens) - 1))
             base_length = kv.get_seq_length()
             self.begin_round()
-            drafted, draft_probs = self._draft_tokens(token, k, kv, generator)
+            drafted, draft_probs = self._draft_tokens(token, k, kv, generator, prompt_ids + new_tokens)
+            k = len(drafted)
             crop_to(kv, base_length)
             self.scheduler.flush()
             verify_ids = torch.tensor([[token] + drafted], device=self.device)  # [1, k+1]
@@ -179,8 +175,9 @@ class SpecterEngine(PrefetchingEngine):
             emitted = emitted[: max_new_tokens - len(new_tokens)]
             synchronize(self.device)
             metrics.observe_decode_step(len(emitted), time.perf_counter() - started)
-            metrics.observe_draft(k, result.accepted)
-            self.governor.observe(drafted=k, accepted=result.accepted)
+            if k:
+                metrics.observe_draft(k, result.accepted)
+                self.governor.observe(drafted=k, accepted=result.accepted)
             new_tokens.extend(emitted)
             token = new_tokens[-1]
             if on_step:
