@@ -46,7 +46,8 @@ def test_no_candidates_is_an_error() -> None:
         LRUPolicy().choose_victim([])
 
 
-def test_registered_under_lru_and_lfu() -> None:
-    names: list[str] = []
-    register_cache_policies(lambda name, factory: names.append(name))
-    assert names == ["lru", "lfu"]
+def test_builtin_policies_register_through_the_hook() -> None:
+    registered: dict[str, object] = {}
+    register_cache_policies(lambda name, factory: registered.setdefault(name, factory))
+    assert registered["lru"] is LRUPolicy
+    assert set(registered) == {"lru", "lfu", "lookahead"}
