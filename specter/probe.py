@@ -21,7 +21,10 @@ Contract:
   The runtime's observers are swapped for the probe's own during the passes and restored after.
 - ``read_texts(path)``: a ``.jsonl`` file gives one text per line (its ``"text"`` or ``"prompt"``
   field), any other file is one text.
-- ``format_probe(result)`` renders the table the CLI prints (``python -m specter.run RECIPE --probe``).
+- ``probe_texts(recipe, path=None)`` checks that the recipe's engine is ``specter`` and returns
+  the texts to probe (``read_texts(path)``, or the recipe's prompts); ``probe_recipe(recipe, texts)``
+  builds the recipe's engine, probes it and closes it. ``format_probe(result)`` renders the table
+  the CLI prints (``python -m specter.run RECIPE --probe [TEXTFILE]``).
 """
 
 from __future__ import annotations
@@ -177,6 +180,23 @@ def read_texts(path: str | Path) -> list[str]:
     if not texts:
         raise SpecterError(f"--probe: {path} holds no texts")
     return texts
+
+
+def probe_texts(recipe, path: str | Path | None = None) -> list[str]:
+    if recipe.engine != "specter":
+        raise SpecterError(f"--probe needs engine: specter (it compares the INT4 draft with the target); "
+                           f"this recipe has engine: {recipe.engine}")
+    return read_texts(path) if path else recipe.resolved_prompts()
+
+
+def probe_recipe(recipe, texts: Sequence[str | Sequence[int]], max_tokens_per_text: int = 256) -> dict:
+    from specter.engine import build_engine
+
+    engine = build_engine(recipe)
+    try:
+        return probe(engine, texts, max_tokens_per_text)
+    finally:
+        engine.close()
 
 
 def _pct(value: float | None) -> str:

@@ -4,6 +4,8 @@ Contract: loads and validates the recipe (errors: one line on stderr, exit code 
 runs it through ``specter.api.run_recipe``, prints each prompt's generated text and a summary
 table on stdout, progress on stderr, and with ``--report`` writes the JSON report.
 ``--list-plugins`` prints the registered plugins by kind; ``--explain`` every recipe key.
+``--probe [TEXTFILE]`` (engine ``specter``) also measures teacher-forced draft/target agreement
+(``specter.probe``) on TEXTFILE or the recipe's prompts, prints it, and reports it under ``probe``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report", type=Path, help="write the JSON report here")
     parser.add_argument("--list-plugins", action="store_true", help="print the registered plugins and exit")
     parser.add_argument("--explain", action="store_true", help="print every recipe key with its type, default and doc")
+    parser.add_argument("--probe", nargs="?", const="", metavar="TEXTFILE",
+                        help="engine specter: also measure teacher-forced draft/target agreement on TEXTFILE "
+                             "(.jsonl or text; default: the recipe's prompts)")
     parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
     return parser.parse_args(argv)
 
@@ -68,7 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         from specter.report import format_summary
 
         recipe = load_recipe(args.recipe, args.overrides)
-        result = run_recipe(recipe, progress=progress_printer(args.quiet))
+        if args.probe is not None:
+            from specter.probe import probe_recipe, probe_texts
+
+            texts = probe_texts(recipe, args.probe or None)
+        say = progress_printer(args.quiet)
+        result = run_recipe(recipe, progress=say)
+        if args.probe is not None:
+            say("probing draft/target agreement ...")
+            result.report["probe"] = probe_recipe(recipe, texts)
     except SpecterError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -84,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\033[1m{text}\033[0m" if sys.stdout.isatty() else text)
     print("=== summary ===")
     print(format_summary(result.report))
+    if "probe" in result.report:
+        from specter.probe import format_probe
+
+        print("=== probe ===")
+        print(format_probe(result.report["probe"]))
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(result.report, indent=2) + "\n")

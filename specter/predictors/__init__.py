@@ -10,6 +10,7 @@ from __future__ import annotations
 from specter.hookspecs import Register, hookimpl
 from specter.predictors.base import BasePredictor
 from specter.predictors.draft import DraftPredictor
+from specter.predictors.ngram import NgramPredictor
 from specter.predictors.router_lookahead import RouterLookaheadPredictor
 
 
@@ -23,4 +24,5 @@ class NonePredictor(BasePredictor):
 def register_predictors(register: Register) -> None:
     register("draft", DraftPredictor)
     register("router-lookahead", RouterLookaheadPredictor)
+    register("ngram", NgramPredictor)
     register("none", NonePredictor)
