@@ -25,7 +25,6 @@ Contract:
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,8 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3MoeConfig,
 )
+
+from specter.layout import moe_layers
 
 ARCHITECTURES: tuple[str, ...] = (
     "mixtral",
@@ -268,46 +269,32 @@ def save_random_checkpoint(arch: str | PretrainedConfig, path: str | Path, seed:
     return path
 
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
 def moe_layout(model: torch.nn.Module) -> list[MoELayerInfo]:
-    """Every decoder layer with routed experts, in layer order."""
+    """Every decoder layer with routed experts, in layer order (found by ``specter.layout``), with
+    the layout facts tests and docs care about; every parameter-holding sibling of the experts
+    module other than the router is a shared expert (or its gate)."""
     modules = dict(model.named_modules())
     found: list[MoELayerInfo] = []
-    for name, module in modules.items():
-        if not _is_experts_module(module):
-            continue
-        match = _LAYER_RE.search(name + ".")
-        if match is None:
-            raise ValueError(f"experts module {name!r} is not inside a 'layers.<i>' ModuleList")
-        parent_name, _, own_name = name.rpartition(".")
-        parent = modules[parent_name]
-        n = int(module.num_experts)
-        router_name = None
-        shared: list[str] = []
-        for child_name, child in parent.named_children():
-            if child_name == own_name:
-                continue
-            weight = getattr(child, "weight", None)
-            if router_name is None and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == n:
-                router_name = child_name
-            elif any(True for _ in child.parameters()):
-                shared.append(f"{parent_name}.{child_name}")
-        if router_name is None:
-            raise ValueError(f"no router (a sibling with weight [{n}, hidden]) next to {name!r}")
-        router = parent.get_submodule(router_name)
-        top_k = getattr(router, "top_k", None) or getattr(model.config, "num_experts_per_tok")
-        params = dict(module.named_parameters(recurse=False))
+    for info in moe_layers(model):
+        if info.router_name is None:
+            raise ValueError(f"no router (a sibling with weight [{info.num_experts}, hidden]) next to {info.experts_name!r}")
+        parent_name, _, own_name = info.experts_name.rpartition(".")
+        router_child = info.router_name.rpartition(".")[2]
+        shared = [
+            f"{parent_name}.{child_name}" for child_name, child in modules[parent_name].named_children()
+            if child_name not in (own_name, router_child) and any(True for _ in child.parameters())
+        ]
+        module = info.experts
+        params = {name: getattr(module, name) for name in info.param_names}
         found.append(
             MoELayerInfo(
-                layer=int(match.group(1)),
+                layer=info.layer,
                 block_module_name=parent_name,
-                experts_module_name=name,
-                router_module_name=f"{parent_name}.{router_name}",
-                num_experts=n,
-                top_k=int(top_k),
-                param_names=tuple(params),
+                experts_module_name=info.experts_name,
+                router_module_name=info.router_name,
+                num_experts=info.num_experts,
+                top_k=info.top_k,
+                param_names=info.param_names,
                 param_shapes={k: tuple(p.shape[1:]) for k, p in params.items()},
                 is_transposed=bool(module.is_transposed),
                 has_bias=bool(module.has_bias),
@@ -316,12 +303,4 @@ def moe_layout(model: torch.nn.Module) -> list[MoELayerInfo]:
                 shared_expert_module_names=tuple(shared),
             )
         )
-    return sorted(found, key=lambda info: info.layer)
-
-
-def _is_experts_module(module: torch.nn.Module) -> bool:
-    if not all(hasattr(module, flag) for flag in ("has_gate", "is_transposed", "has_bias")):
-        return False
-    n = getattr(module, "num_experts", None)
-    params = list(module.parameters(recurse=False))
-    return isinstance(n, int) and bool(params) and all(p.dim() >= 2 and p.shape[0] == n for p in params)
+    return found

@@ -27,15 +27,10 @@ Expert-parallel sentinels (ids >= num_experts) are not supported.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import Tensor, nn
 
 from specter.kernels.int4 import Backend, Int4Weight, choose_backend, int4_matmul, quantize_int4
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
 
 def _stacked_int4(
     weight: Tensor, transposed: bool, group_size: int, backend: Backend | None
@@ -198,24 +193,6 @@ def quantize_model_experts(
     model: nn.Module, group_size: int = 64, backend: Backend | None = None
 ) -> dict[int, Int4Experts]:
     """INT4 copies of every routed-experts module of a transformers MoE model, by decoder layer."""
-    found: dict[int, Int4Experts] = {}
-    for name, module in model.named_modules():
-        if not _is_experts_module(module):
-            continue
-        matches = _LAYER_INDEX.findall(name)
-        if not matches:
-            raise ValueError(f"experts module {name!r} is not inside a numbered decoder layer (…layers.<i>…)")
-        layer = int(matches[-1])
-        if layer in found:
-            raise ValueError(f"two experts modules in decoder layer {layer} (second: {name!r})")
-        found[layer] = Int4Experts.from_module(module, group_size, backend)
-    return dict(sorted(found.items()))
+    from specter.layout import moe_layers
 
-
-def _is_experts_module(module: nn.Module) -> bool:
-    if not hasattr(module, "num_experts"):
-        return False
-    stacked = getattr(module, "gate_up_proj", None)
-    if stacked is None:
-        stacked = getattr(module, "up_proj", None)
-    return isinstance(stacked, Tensor) and stacked.dim() == 3
+    return {info.layer: Int4Experts.from_module(info.experts, group_size, backend) for info in moe_layers(model)}
