@@ -108,12 +108,17 @@ def offload(
     link_spec = {"kind": link} if isinstance(link, str) else dict(link)
     recipe = load_recipe({"offload": {"expert_budget": expert_budget, "link": link_spec,
                                       "cache_policy": {"name": cache_policy}}})
+    # validate everything before the model is touched: a refused offload leaves it as it was
+    from specter.layout import moe_layers
+    from specter.store import ExpertStore
+
+    views = ExpertStore({m.layer: {n: getattr(m.experts, n).detach() for n in m.param_names} for m in moe_layers(model)})
+    n_slots = slots_for_budget(recipe, views, max(m.top_k for m in moe_layers(model)))
+    policy = registry().create("cache_policy", cache_policy, {}, key="cache_policy")
+    the_link = make_link(recipe, device)
     layers, store = split_experts(model, pin=device.type == "cuda")
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    n_slots = slots_for_budget(recipe, store, max(m.top_k for m in layers))
-    the_link = make_link(recipe, device)
-    policy = registry().create("cache_policy", cache_policy, {}, key="cache_policy")
     cache = ExpertCache(store, n_slots, device, the_link, policy)
     runtime = ExpertRuntime(layers, cache)
     install(model, runtime)

@@ -86,12 +86,16 @@ class PrefetchScheduler:
                 self.stats.not_admitted += 1
         return issued
 
+    def _send_hints(self) -> None:
+        self.cache.policy.on_hints([(key, self._predicted[key]) for key in self.ordered(self._predicted)])
+
     def pump(self) -> None:
         if self._pending:
+            self._send_hints()  # the policy judges this round's prefetches by this round's buffer
             self.stats.issued_while_drafting += self._issue(self.max_in_flight)
 
     def flush(self) -> None:
-        self.cache.policy.on_hints([(key, self._predicted[key]) for key in self.ordered(self._predicted)])
+        self._send_hints()
         if self._pending:
             self.stats.issued_at_flush += self._issue(None)
 

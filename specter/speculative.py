@@ -146,6 +146,8 @@ class SpecterEngine(PrefetchingEngine):
 
     def decode_prompt(self, prompt_ids, max_new_tokens, generator, metrics, on_step) -> list[int]:
         kv = new_kv_cache(self.model)
+        if hasattr(self.predictor, "reset"):  # predictors that track positions start over
+            self.predictor.reset()
         token = self.prefill(prompt_ids, kv, generator, metrics)
         new_tokens = [token]
         while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
@@ -169,6 +171,8 @@ class SpecterEngine(PrefetchingEngine):
                     draft_probs = target_probs[:0]
                 result = rejection_verify(draft_tokens, draft_probs.to(target_probs.device), target_probs, generator)
             crop_to(kv, base_length + 1 + result.accepted)
+            if hasattr(self.predictor, "rollback"):
+                self.predictor.rollback(kv.get_seq_length())
             emitted = result.tokens
             if self.eos_token_id in emitted:
                 emitted = emitted[: emitted.index(self.eos_token_id) + 1]

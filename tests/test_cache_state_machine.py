@@ -109,6 +109,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.pinned_at: dict[ExpertKey, int] = {}
         self.expected = Counter()
         self.unused_prefetches: set[ExpertKey] = set()
+        self.ever_prefetched: list[ExpertKey] = []
         self.x = torch.randn(2, 3, generator=gen)
 
     # ----- rules -------------------------------------------------------------------------------
@@ -125,10 +126,17 @@ class CacheMachine(RuleBasedStateMachine):
     def acquire_a_loading_key(self, data: st.DataObject) -> None:
         loading = [self.cache.key_in(s) for s in range(self.cache.n_slots)
                    if self.cache.state(s) is SlotState.LOADING]
-        layer, expert = data.draw(st.sampled_from(loading), label="loading key")
+        self.acquire_with(data, data.draw(st.sampled_from(loading), label="loading key"))
+
+    @precondition(lambda self: self.ever_prefetched)
+    @rule(data=st.data())
+    def acquire_a_once_prefetched_key(self, data: st.DataObject) -> None:
+        self.acquire_with(data, data.draw(st.sampled_from(self.ever_prefetched), label="prefetched key"))
+
+    def acquire_with(self, data: st.DataObject, key: ExpertKey) -> None:
         others = data.draw(st.lists(st.integers(0, self.store.n_experts - 1),
                                     max_size=self.cache.capacity - 1), label="others")
-        self.acquire_and_check(layer, [expert, *others])
+        self.acquire_and_check(key[0], [key[1], *others])
 
     def acquire_and_check(self, layer: int, experts: list[int]) -> None:
         cache = self.cache
@@ -199,6 +207,7 @@ class CacheMachine(RuleBasedStateMachine):
         if issued:
             self.expected["prefetch_issued"] += 1
             self.unused_prefetches.add(key)
+            self.ever_prefetched.append(key)
 
     @rule(data=st.data())
     def protect(self, data: st.DataObject) -> None:

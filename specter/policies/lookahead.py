@@ -37,4 +37,4 @@ class LookaheadPolicy(LRUPolicy):
         return max(candidates, key=lambda k: (self.next_use(k), -self._last_use.get(k, 0)))
 
     def admit_prefetch(self, key: ExpertKey, score: float, victim: ExpertKey) -> bool:
-        return self.next_use(victim) > self.next_use(key)
+        return self.next_use(victim) >= self.next_use(key)
