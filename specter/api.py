@@ -85,10 +85,15 @@ class OffloadHandle:
         return self.cache.stats
 
     def remove(self) -> None:
-        """Restore the model's own experts implementation; experts stay in host memory."""
+        """Undo ``offload``: put the host experts back into the model on its device and restore
+        the model's own experts implementation. The device cache is freed with the handle."""
         from specter.experts import uninstall
 
         uninstall(self.model)
+        for info in self.runtime.layers.values():
+            device = next(p.device for p in info.experts.parameters())
+            for name, tensor in self.store.stacked(info.layer).items():
+                setattr(info.experts, name, torch.nn.Parameter(tensor.to(device), requires_grad=False))
         self.link.close()
 
 

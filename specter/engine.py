@@ -24,7 +24,7 @@ from specter.cache import CacheStats
 from specter.errors import BudgetError, SpecterError
 from specter.experts import ExpertRuntime, install
 from specter.generate import forward_logits, new_kv_cache, synchronize
-from specter.loader import DTYPES, load_model, load_tokenizer, resolve_model_path
+from specter.loader import DTYPES, check_weights_format, load_model, load_tokenizer, resolve_model_path
 from specter.metrics import GenerationMetrics
 from specter.sampling import SamplingParams, sample
 
@@ -253,6 +253,37 @@ def slots_for_budget(recipe, store, top_k: int) -> int:
     return slots
 
 
+class HFOffloadEngine(Engine):
+    """The external reference: transformers + accelerate offloading as a user would set it up
+    (``device_map="auto"`` with a ``max_memory`` cap on the GPU; what does not fit stays in host
+    memory and accelerate streams it in per forward)."""
+
+    name = "hf-offload"
+
+
+def build_hf_offload(recipe, path, tokenizer, device: torch.device, dtype: torch.dtype) -> Engine:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if device.type != "cuda":
+        raise SpecterError("engine: hf-offload offloads from a CUDA device to host memory and needs a GPU; "
+                           "on a CPU use ondemand, router-lookahead or specter (emulated link)")
+    from specter.layout import moe_layers
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    layers = moe_layers(skeleton)
+    expert_bytes = sum(getattr(m.experts, n).numel() * dtype.itemsize for m in layers for n in m.param_names)
+    dense_bytes = sum(p.numel() * dtype.itemsize for p in skeleton.parameters()) - expert_bytes
+    per_expert = expert_bytes // sum(m.num_experts for m in layers)
+    budget = recipe.offload.expert_budget.resolve(len(layers), layers[0].num_experts, per_expert) * per_expert
+    check_weights_format(path, recipe.allow_pickle)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, device_map="auto", trust_remote_code=recipe.trust_remote_code,
+        max_memory={device.index or 0: dense_bytes + budget, "cpu": 2**40},
+    ).eval()
+    return HFOffloadEngine(recipe, model, tokenizer, device, path)
+
+
 def build_engine(recipe) -> Engine:
     from specter.cache import ExpertCache
     from specter.plugins import registry
@@ -261,13 +292,15 @@ def build_engine(recipe) -> Engine:
     torch.manual_seed(recipe.seed)
     device = resolve_device(recipe.device)
     dtype = DTYPES[recipe.dtype]
-    path = resolve_model_path(recipe.model)
+    path = resolve_model_path(str(recipe.model_path()))
     tokenizer = load_tokenizer(path, recipe.trust_remote_code)
     engine_name = recipe.engine
     common = dict(dtype=dtype, device=device, allow_pickle=recipe.allow_pickle, trust_remote_code=recipe.trust_remote_code)
     if engine_name == "resident":
         model, _, _ = load_model(path, **common)
         return ResidentEngine(recipe, model, tokenizer, device, path)
+    if engine_name == "hf-offload":
+        return build_hf_offload(recipe, path, tokenizer, device, dtype)
     if engine_name in ("ondemand", "router-lookahead", "specter"):
         model, layers, store = load_model(path, keep_experts_on_host=True, **common)
         n_slots = slots_for_budget(recipe, store, max(m.top_k for m in layers))
@@ -290,4 +323,5 @@ def build_engine(recipe) -> Engine:
                                      key="speculation.governor.name", k=spec.governor.k)
         draft = speculative.build_draft(layers, store, device, spec.draft.group_size)
         return speculative.SpecterEngine(*parts, predictor=predictor, governor=governor, draft=draft)
-    raise SpecterError(f"engine: {engine_name!r} is not available; available: resident, ondemand, router-lookahead, specter")
+    raise SpecterError(f"engine: {engine_name!r} is not available; available: resident, ondemand, router-lookahead, "
+                       "specter, hf-offload")

@@ -68,11 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.recipe:
             print("error: a recipe file is required (try recipes/quickstart.yaml)", file=sys.stderr)
             return EXIT_USAGE
-        from specter.api import run_recipe
         from specter.recipe import load_recipe
+
+        recipe = load_recipe(args.recipe, args.overrides)  # validate before the heavy imports
+        from specter.api import run_recipe
         from specter.report import format_summary
 
-        recipe = load_recipe(args.recipe, args.overrides)
         if args.probe is not None:
             from specter.probe import probe_recipe, probe_texts
 
@@ -109,5 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry_point() -> int:
+    try:
+        return main()
+    except BrokenPipeError:  # e.g. `--explain | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point())

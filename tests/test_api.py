@@ -88,10 +88,11 @@ def test_offload_keeps_the_users_generate_and_counts_hits_and_misses():
     # remove() restores the model's own experts implementation and detaches Specter's runtime ...
     assert model.config._experts_implementation == implementation
     assert not any(hasattr(module, "_specter_runtime") for module in model.modules())
-    # ... but the experts stay in the host store: the model's expert parameters are still empty
-    assert all(p.shape[0] == 0 for p in expert_parameters(model))
+    # ... and puts the experts back: the model is whole again and generates as before
     for (layer, name), tensor in originals.items():
         assert torch.equal(handle.store.stacked(layer)[name], tensor)
+    assert all(p.shape[0] > 0 for p in expert_parameters(model))
+    assert greedy(model) == before
 
 
 def test_offload_with_an_emulated_link_and_another_policy():
