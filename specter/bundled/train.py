@@ -42,7 +42,8 @@ class TrainConfig:
     num_experts: int = 16
     top_k: int = 2
     max_positions: int = 1024
-    router_aux_loss_coef: float = 0.05
+    router_aux_loss_coef: float = 0.15
+    zero_init_routers: bool = True  # start from uniform routing so no expert is starved early
     seq_len: int = 256
     batch_size: int = 16
     lr: float = 2e-3
@@ -51,7 +52,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 50
     steps: int = 1100
-    threads: int = 1
+    threads: int = 2
     eval_windows: int = 96
     heldout_bytes: int = 2_000_000
 
@@ -141,6 +142,22 @@ def make_model(cfg: TrainConfig, tokenizer):
     return MixtralForCausalLM(config)
 
 
+def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> tuple[torch.Tensor, float]:
+    """Switch-style load-balancing loss computed for each MoE layer on its own, then averaged,
+    and the smallest routed share of any expert in any layer (for the progress log).
+
+    transformers' Mixtral aux loss concatenates every layer's router logits before counting, so
+    it balances expert *indices* across layers and lets an expert starve inside one layer."""
+    losses, smallest = [], 1.0
+    for logits in router_logits:  # [tokens, E] per layer
+        probs = logits.float().softmax(dim=-1)
+        chosen = probs.topk(top_k, dim=-1).indices
+        routed = torch.zeros_like(probs).scatter_(1, chosen, 1.0).mean(dim=0) / top_k  # [E], sums to 1
+        losses.append(probs.shape[-1] * (routed * probs.mean(dim=0)).sum())
+        smallest = min(smallest, routed.min().item())
+    return torch.stack(losses).mean(), smallest
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -207,7 +224,7 @@ Held-out text: {summary['heldout']['description']} ({summary['heldout']['tokens'
 ## Training
 Seed {cfg['seed']}; AdamW betas {tuple(cfg['betas'])}, weight decay {cfg['weight_decay']}, peak lr {cfg['lr']},
 {cfg['warmup_steps']} warm-up steps then cosine to {cfg['min_lr_ratio']}x; {cfg['steps']} steps of
-{cfg['batch_size']} x {cfg['seq_len']} tokens; router auxiliary loss coefficient {cfg['router_aux_loss_coef']};
+{cfg['batch_size']} x {cfg['seq_len']} tokens; router load-balancing loss (Switch-style, per layer) coefficient {cfg['router_aux_loss_coef']}, routers zero-initialised;
 {cfg['threads']} threads, fp32. Wall time {summary['wall_s'] / 60:.1f} min on {summary['machine']}
 ({summary['tokens_per_s']:.0f} training tokens/s).
 Reproduce: `python -m specter.bundled.train --out specter/data/tiny-moe`.
@@ -261,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokens: train {train_tokens.numel():,}, held-out {held_tokens.numel():,}", flush=True)
 
     model = make_model(cfg, tokenizer)
+    if cfg.zero_init_routers:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.zero_()
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -275,17 +296,19 @@ def main(argv: list[str] | None = None) -> int:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         batch = sample_batch(train_tokens, cfg, gen)
-        out_ = model(batch[:, :-1], labels=batch[:, :-1].clone(), output_router_logits=True)
-        # MixtralForCausalLM shifts labels itself; feed inputs as labels so the target is batch[:, 1:]
-        loss = out_.loss
+        out_ = model(batch[:, :-1], output_router_logits=True)
+        ce = torch.nn.functional.cross_entropy(out_.logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        balance, smallest_share = per_layer_balance_loss(out_.router_logits, cfg.top_k)
+        loss = ce + cfg.router_aux_loss_coef * balance
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        loss_value = loss.item()
+        loss_value = ce.item()
         if step % 50 == 0 or step == cfg.steps - 1:
             elapsed = time.time() - train_started
-            print(f"step {step}/{cfg.steps} loss {loss_value:.3f} lr {lr_at(step, cfg):.2e} "
+            print(f"step {step}/{cfg.steps} loss {loss_value:.3f} balance {balance.item():.3f} "
+                  f"min share {100 * smallest_share:.2f}% lr {lr_at(step, cfg):.2e} "
                   f"{(step + 1) * cfg.batch_size * cfg.seq_len / elapsed:.0f} tok/s {elapsed / 60:.1f} min",
                   flush=True)
     train_s = time.time() - train_started
