@@ -70,11 +70,23 @@ class Engine:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
 
+    # --- the model call: eager, or the compiled step functions (specter.compiled) -------------
+    compiled = None  # a specter.compiled.CompiledDecoder when the recipe says compile: true
+
+    def forward_logits(self, input_ids: torch.Tensor, kv) -> torch.Tensor:
+        """The model over new token ids [1, T], appending to ``kv``: fp32 logits [T, V]."""
+        if self.compiled is not None:
+            return self.compiled.forward_logits(input_ids, kv)
+        return forward_logits(self.model, input_ids, kv)
+
+    def new_kv_cache(self):
+        return self.compiled.new_kv_cache() if self.compiled is not None else new_kv_cache(self.model)
+
     # --- what subclasses provide -------------------------------------------------------------
     def prefill(self, prompt_ids: list[int], kv, generator, metrics: GenerationMetrics) -> int:
         """Run the target over the prompt; returns the first new token."""
         started = time.perf_counter()
-        logits = forward_logits(self.model, torch.tensor([prompt_ids], device=self.device), kv)
+        logits = self.forward_logits(torch.tensor([prompt_ids], device=self.device), kv)
         token = int(sample(logits[-1], self.sampling, generator))
         synchronize(self.device)
         metrics.observe_prefill(len(prompt_ids), time.perf_counter() - started)
@@ -82,13 +94,13 @@ class Engine:
 
     def decode_prompt(self, prompt_ids: list[int], max_new_tokens: int, generator, metrics, on_step) -> list[int]:
         """Plain decoding: one target step per new token, until max_new_tokens or EOS."""
-        kv = new_kv_cache(self.model)
+        kv = self.new_kv_cache()
         token = self.prefill(prompt_ids, kv, generator, metrics)
         new_tokens = [token]
         while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
             started = time.perf_counter()
             self.begin_round()
-            logits = forward_logits(self.model, torch.tensor([[token]], device=self.device), kv)
+            logits = self.forward_logits(torch.tensor([[token]], device=self.device), kv)
             self.end_round()
             token = int(sample(logits[-1], self.sampling, generator))
             synchronize(self.device)
@@ -133,6 +145,7 @@ class Engine:
         generator = torch.Generator(device="cpu").manual_seed(self.recipe.seed)
         metrics = GenerationMetrics()
         self.reset_counters()
+        compile_before = self.compiled.snapshot() if self.compiled is not None else None
         all_prompt_ids, all_new = [], []
         started = time.perf_counter()
         with torch.inference_mode():
@@ -146,6 +159,7 @@ class Engine:
         texts = [self.decode_text(ids) for ids in all_new]
         result = GenerationResult(texts=texts, token_ids=all_new, prompt_ids=all_prompt_ids)
         result.report = build_report(self, metrics, result)
+        result.report["compile"] = self.compiled.report(compile_before) if self.compiled is not None else None
         return result
 
     def close(self) -> None:
@@ -285,6 +299,15 @@ def build_hf_offload(recipe, path, tokenizer, device: torch.device, dtype: torch
 
 
 def build_engine(recipe) -> Engine:
+    engine = _build_engine(recipe)
+    if recipe.compile:  # compiles and warms up here, so that decode timings exclude it
+        from specter.compiled import compile_engine
+
+        compile_engine(engine)
+    return engine
+
+
+def _build_engine(recipe) -> Engine:
     from specter.cache import ExpertCache
     from specter.plugins import registry
 

@@ -27,7 +27,7 @@ import torch
 from specter.acceptance import greedy_verify, rejection_verify
 from specter.engine import OffloadedEngine
 from specter.experts import SlotView
-from specter.generate import crop_to, forward_logits, new_kv_cache, synchronize
+from specter.generate import crop_to, synchronize
 from specter.kernels.int4_experts import Int4Experts
 from specter.sampling import logits_to_probs, sample
 from specter.scheduler import PrefetchScheduler
@@ -132,7 +132,7 @@ class SpecterEngine(PrefetchingEngine):
         with self.runtime.drafting():
             current = token
             for step in range(steps):
-                logits = forward_logits(self.model, torch.tensor([[current]], device=self.device), kv)[-1]
+                logits = self.forward_logits(torch.tensor([[current]], device=self.device), kv)[-1]
                 if step == k:
                     break  # routing-only step over the last drafted token
                 if self.sampling.greedy:
@@ -145,7 +145,7 @@ class SpecterEngine(PrefetchingEngine):
         return drafted, (torch.stack(probs) if probs else None)
 
     def decode_prompt(self, prompt_ids, max_new_tokens, generator, metrics, on_step) -> list[int]:
-        kv = new_kv_cache(self.model)
+        kv = self.new_kv_cache()
         if hasattr(self.predictor, "reset"):  # predictors that track positions start over
             self.predictor.reset()
         token = self.prefill(prompt_ids, kv, generator, metrics)
@@ -160,7 +160,7 @@ class SpecterEngine(PrefetchingEngine):
             crop_to(kv, base_length)
             self.scheduler.flush()
             verify_ids = torch.tensor([[token] + drafted], device=self.device)  # [1, k+1]
-            target_logits = forward_logits(self.model, verify_ids, kv)  # [k+1, V]
+            target_logits = self.forward_logits(verify_ids, kv)  # [k+1, V]
             self.end_round()
             if self.sampling.greedy:
                 result = greedy_verify(torch.tensor(drafted, dtype=torch.long, device=target_logits.device), target_logits)
