@@ -304,3 +304,17 @@ def moe_layout(model: torch.nn.Module) -> list[MoELayerInfo]:
             )
         )
     return found
+
+
+def save_byte_tokenizer(path: str | Path) -> Path:
+    """Save next to a random checkpoint a byte-level tokenizer whose 256 ids are the 256 bytes (no
+    merges, no special tokens), so text prompts work with a model of vocabulary >= 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+    return Path(path)

@@ -22,7 +22,7 @@ import specter
 from specter.api import first_mismatch, run_recipe
 from specter.errors import BudgetError, UnknownPluginError
 from specter.layout import is_experts_module, moe_layers
-from specter.zoo import random_model, save_random_checkpoint
+from specter.zoo import random_model, save_byte_tokenizer, save_random_checkpoint
 
 torch.set_num_threads(1)
 
@@ -33,23 +33,10 @@ MAX_NEW = 10
 TEXT_PROMPTS = ["def f(x):\n", "import os\n"]
 
 
-def add_byte_tokenizer(path: Path) -> Path:
-    """Save a byte-level tokenizer whose 256 ids are the 256 bytes (no merges, no special tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     path = save_random_checkpoint("mixtral", tmp_path_factory.mktemp("zoo") / "mixtral", seed=0)
-    return str(add_byte_tokenizer(path))
+    return str(save_byte_tokenizer(path))
 
 
 def greedy(model) -> list[int]:

@@ -12,7 +12,7 @@ from specter.errors import SpecterError
 from specter.probe import format_probe, probe, probe_texts, read_texts
 from specter.recipe import load_recipe
 from specter.run import main
-from specter.zoo import save_random_checkpoint
+from specter.zoo import save_byte_tokenizer, save_random_checkpoint
 
 TEXTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55, 3, 9, 120, 44] * 2, [1, 200, 5, 77, 12]]
 
@@ -104,18 +104,6 @@ def test_read_texts(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"other": 1}\n')
     with pytest.raises(SpecterError, match="bad.jsonl:1"):
         read_texts(tmp_path / "bad.jsonl")
-
-
-def save_byte_tokenizer(path: str) -> None:
-    """A 256-token byte-level tokenizer, so a random checkpoint can take text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
 
 
 def test_cli_probe_prints_the_table_and_reports_it(tmp_path, capsys):
