@@ -62,7 +62,7 @@ def run_recipe(
         engine.close()
     if recipe.engine != "resident" and recipe.check_lossless and recipe.sampling.temperature == 0:
         say("checking losslessness against the resident engine ...")
-        reference_engine = build_engine(as_recipe(recipe, ["engine=resident"]))
+        reference_engine = build_engine(as_recipe(recipe, ["engine=resident", "compile=false"]))  # the eager reference
         reference = reference_engine.generate(prompts)
         reference_engine.close()
         mismatch = first_mismatch(result.token_ids, reference.token_ids)

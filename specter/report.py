@@ -133,5 +133,9 @@ def format_summary(report: dict) -> str:
         ("prefetch precision", _fmt(report["prefetch_precision"])),
         ("lossless (vs resident greedy)", _fmt(report["lossless"])),
     ]
+    compiled = report.get("compile")
+    if compiled:
+        rows.append(("compiled (warm-up excluded above)", f"warm-up {_fmt(compiled.get('warmup_s'))} s, "
+                                                          f"late graphs {_fmt(compiled.get('late_graphs'))}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
