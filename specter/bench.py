@@ -23,16 +23,15 @@ from pathlib import Path
 SAME_MEMORY = "ondemand@same-memory"
 
 
-def build(recipe, name: str, draft_bytes: int | None):
+def build(recipe, name: str, specter_engine):
     from specter.engine import build_engine
     from specter.recipe import load_recipe
 
     if name == SAME_MEMORY:
-        if draft_bytes is None:
+        if specter_engine is None:
             raise SystemExit("error: ondemand@same-memory needs the specter engine in the same bench")
-        probe = build_engine(load_recipe(recipe, ["engine=ondemand"]))
-        budget = probe.cache.bytes + draft_bytes
-        probe.close()
+        # the same recipe budget gives ondemand the cache specter has; add the draft's bytes to it
+        budget = specter_engine.cache.bytes + specter_engine.draft_bytes
         engine = build_engine(load_recipe(recipe, ["engine=ondemand", f"offload.expert_budget={budget}B"]))
         engine.name = SAME_MEMORY
         return engine
@@ -68,12 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
     prompts = recipe.resolved_prompts()
     engines = {}
-    draft_bytes = None
     for name in sorted(names, key=lambda n: n == SAME_MEMORY):  # specter before same-memory
         print(f"building {name} ...", file=sys.stderr, flush=True)
-        engines[name] = build(recipe, name, draft_bytes)
-        if name == "specter":
-            draft_bytes = sum(d.nbytes for d in engines[name].draft.values())
+        engines[name] = build(recipe, name, engines.get("specter"))
     for name, engine in engines.items():
         engine.generate(prompts[:1], max_new_tokens=8)  # warm-up
     runs: dict[str, list[dict]] = {name: [] for name in engines}

@@ -105,12 +105,16 @@ class SpecterEngine(PrefetchingEngine):
         self.governor = governor
         self.lookahead_last = lookahead_last and self.predictor.needs_draft
 
+    @property
+    def draft_bytes(self) -> int:
+        """Device bytes of the resident INT4 draft experts."""
+        return sum(d.nbytes for d in self.draft.values())
+
     def engine_report(self) -> dict:
         report = super().engine_report()
-        draft_bytes = sum(d.nbytes for d in self.draft.values())
         device_bytes = report["device_bytes"]
-        device_bytes["draft"] = draft_bytes
-        device_bytes["total"] += draft_bytes
+        device_bytes["draft"] = self.draft_bytes
+        device_bytes["total"] += self.draft_bytes
         report["draft"] = {"bits": 4, "group_size": next(iter(self.draft.values())).group_size,
                            "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.lookahead_last}
         return report
