@@ -1,0 +1,5 @@
+import sys
+
+from specter.bench.legacy import main
+
+sys.exit(main())
