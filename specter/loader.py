@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specter.bundled import BUNDLED_MODELS, bundled_path
+from specter.bundled import bundled_path, is_bundled, known_names
 from specter.errors import SpecterError
 from specter.layout import MoELayer, moe_layers
 from specter.store import ExpertStore
@@ -31,8 +31,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_model_path(spec: str) -> Path:
     if spec.startswith("bundled:"):
         name = spec.split(":", 1)[1]
-        if name not in BUNDLED_MODELS:
-            raise SpecterError(f"model: unknown bundled model {name!r}; known: {', '.join(sorted(BUNDLED_MODELS))}")
+        try:
+            known = is_bundled(name)
+        except ValueError as error:
+            raise SpecterError(f"model: {error}") from None
+        if not known:
+            raise SpecterError(f"model: unknown bundled model {name!r}; known: {known_names()}")
         path = bundled_path(name)
         if not (path / "config.json").is_file():
             raise SpecterError(f"model: bundled model {name!r} is missing from this installation ({path})")

@@ -32,7 +32,7 @@ from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Sequence
 
 import yaml
 
-from specter.bundled import BUNDLED_MODELS
+from specter.bundled import bundled_path, is_bundled, known_names
 from specter.errors import RecipeError
 from specter.governors import MAX_K
 
@@ -541,7 +541,7 @@ class Recipe(_Section):
     """A whole run. Build it with ``load_recipe``; ``to_dict()`` gives it back as plain data."""
 
     model: str = _field(
-        f'"{BUNDLED_PREFIX}NAME" (known: {", ".join(sorted(BUNDLED_MODELS))}) '
+        f'"{BUNDLED_PREFIX}NAME" (known: {known_names()}) '
         "or a local Hugging Face checkpoint directory",
         "bundled:tiny-moe",
         **_non_empty("string"),
@@ -587,7 +587,7 @@ class Recipe(_Section):
             )
         if self.source_dir is not None and not isinstance(self.source_dir, Path):
             object.__setattr__(self, "source_dir", Path(self.source_dir))
-        self.model_path()
+        self.model_path(build=False)
         if self.prompts_file is not None and _find(self.prompts_file, self.source_dir, Path.is_file) is None:
             raise _error(
                 "prompts_file",
@@ -596,24 +596,27 @@ class Recipe(_Section):
                 "allowed: a path to a .jsonl file or a text file",
             )
 
-    def model_path(self) -> Path:
-        """The checkpoint directory: the bundled model's, or ``model`` resolved like any path."""
+    def model_path(self, build: bool = True) -> Path:
+        """The checkpoint directory: the bundled model's, or ``model`` resolved like any path.
+        A widened bundled model is built on first use, unless ``build`` is false (validation)."""
         if self.model.startswith(BUNDLED_PREFIX):
             name = self.model[len(BUNDLED_PREFIX):]
-            if name not in BUNDLED_MODELS:
-                known = ", ".join(BUNDLED_PREFIX + n for n in sorted(BUNDLED_MODELS))
+            try:
+                known = is_bundled(name)
+            except ValueError as error:
+                raise _error("model", str(error)) from None
+            if not known:
                 raise _error(
-                    "model", f"unknown bundled model {_show(name)}; allowed: {known} or a local "
-                    "Hugging Face checkpoint directory",
+                    "model", f"unknown bundled model {_show(name)}; allowed: {BUNDLED_PREFIX}NAME with NAME one of "
+                    f"{known_names()}, or a local Hugging Face checkpoint directory",
                 )
-            return BUNDLED_MODELS[name]
+            return bundled_path(name) if build else Path(name)
         found = _find(self.model, self.source_dir, Path.is_dir)
         if found is None:
-            known = ", ".join(BUNDLED_PREFIX + n for n in sorted(BUNDLED_MODELS))
             raise _error(
                 "model",
                 f"no such directory: {_plain(self.model)}; use a local Hugging Face checkpoint "
-                f"directory or {known}",
+                f"directory or {BUNDLED_PREFIX}NAME ({known_names()})",
             )
         return found
 

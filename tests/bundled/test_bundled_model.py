@@ -16,28 +16,7 @@ import specter
 from specter.bundled import bundled_path
 
 MODEL_DIR = bundled_path("tiny-moe")
-EVAL_PROMPTS = "recipes/prompts/eval.jsonl"
 MAX_NEW = 32
-
-
-def eval_prompts() -> list[str]:
-    from pathlib import Path
-
-    lines = (Path(__file__).resolve().parents[2] / EVAL_PROMPTS).read_text().splitlines()
-    return [json.loads(line)["prompt"] for line in lines if line.strip()]
-
-
-def recipe(engine: str, budget: float | None = None, **extra) -> dict:
-    data = {"model": "bundled:tiny-moe", "engine": engine, "max_new_tokens": MAX_NEW, "threads": 1,
-            "dtype": "float32", "offload": {"link": {"kind": "local"}}, **extra}
-    if budget is not None:
-        data["offload"]["expert_budget"] = budget
-    return data
-
-
-@pytest.fixture(scope="module")
-def resident_tokens() -> list[list[int]]:
-    return specter.load(recipe("resident")).generate(eval_prompts()).token_ids
 
 
 def test_checkpoint_is_small_safetensors_with_a_model_card():
@@ -51,24 +30,24 @@ def test_checkpoint_is_small_safetensors_with_a_model_card():
     assert f"{summary['heldout_loss']:.3f}" in card
 
 
-def test_plain_transformers_loads_it_and_agrees_with_the_resident_engine(resident_tokens):
+def test_plain_transformers_loads_it_and_agrees_with_the_resident_engine(resident_tokens, eval_prompts):
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     assert model.config.model_type == "mixtral" and model.config.num_local_experts == 16
-    for prompt, expected in list(zip(eval_prompts(), resident_tokens))[:4]:
+    for prompt, expected in list(zip(eval_prompts, resident_tokens))[:4]:
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
         assert out[0, ids.shape[1]:].tolist() == expected[: out.shape[1] - ids.shape[1]]
 
 
 @pytest.mark.parametrize("budget", [0.1, 0.25, 0.5])
-def test_ondemand_is_lossless_on_the_evaluation_prompts(budget, resident_tokens):
-    assert specter.load(recipe("ondemand", budget)).generate(eval_prompts()).token_ids == resident_tokens
+def test_ondemand_is_lossless_on_the_evaluation_prompts(budget, resident_tokens, eval_prompts, bundled_recipe):
+    assert specter.load(bundled_recipe("ondemand", budget)).generate(eval_prompts).token_ids == resident_tokens
 
 
 @pytest.mark.parametrize("budget", [0.25, 0.5])
-def test_specter_is_lossless_on_the_evaluation_prompts(budget, resident_tokens):
-    engine = specter.load(recipe("specter", budget, speculation={"governor": {"name": "fixed", "k": 4}}))
-    result = engine.generate(eval_prompts())
+def test_specter_is_lossless_on_the_evaluation_prompts(budget, resident_tokens, eval_prompts, bundled_recipe):
+    engine = specter.load(bundled_recipe("specter", budget, speculation={"governor": {"name": "fixed", "k": 4}}))
+    result = engine.generate(eval_prompts)
     assert result.token_ids == resident_tokens
     assert result.report["acceptance_rate"] > 0.5
