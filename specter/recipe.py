@@ -712,6 +712,7 @@ def load_recipe(
     overrides: Sequence[str] = (),
     *,
     check_plugins: bool = True,
+    source_dir: str | Path | None = None,
 ) -> Recipe:
     """Read a recipe from a YAML file path or a mapping, apply ``key=value`` overrides, validate.
 
@@ -720,14 +721,15 @@ def load_recipe(
 
     Override values are parsed with ``yaml.safe_load`` (``0.25`` is a float, ``true`` a bool,
     ``[a, b]`` a list, ``2GiB`` a string); keys under an ``options`` mapping are free-form. With
-    ``check_plugins`` the names of the plugins the engine uses must be registered.
+    ``check_plugins`` the names of the plugins the engine uses must be registered. ``source_dir``
+    is where relative paths of a mapping source are looked up (after the current directory).
     """
-    source_dir = None
     if isinstance(source, Recipe):
         raw: Any = source.to_dict()
         source_dir = source.source_dir
     elif isinstance(source, Mapping):
         raw = copy.deepcopy(dict(source))
+        source_dir = Path(source_dir) if source_dir is not None else None
     elif isinstance(source, (str, os.PathLike)):
         path = Path(source)
         raw = _read_yaml(path)

@@ -1,0 +1,266 @@
+"""Runs a bench recipe: every engine of every cell, interleaved, repeated; one JSON document out.
+
+Contract: ``run_bench(spec, command="") -> dict`` (schema ``specter.bench/2``, documented in
+docs/benchmarks.md and read by ``specter.bench.tables`` and ``specter.bench.plots``).
+
+- A cell is (budget, link, compile mode). Offloaded engines are built once per (compile mode,
+  budget) and moved from link to link (``OffloadedEngine.use_link``); ``resident`` is built once
+  per compile mode and runs in every cell, so each cell's ratios come from runs interleaved in
+  the same minutes; ``hf-offload`` runs eagerly once per budget (it has no link and no compiled
+  mode).
+- In a cell every engine first generates ``warmup_tokens`` tokens on the first prompt (untimed),
+  then all engines run all prompts ``repeats`` times, alternating their order each repeat.
+- A row is one (engine label, budget, link, compile mode): decode tokens/s (median, min, max and
+  every run), the figures of its last run, whether its greedy tokens equal the eager
+  ``resident`` engine's, and its median's ratio to each baseline's median in the same cell.
+- Labels: ``specter k=K`` (fixed k), ``specter <governor>``; ``ondemand`` has the cache of the
+  ``specter`` engine (same cache size); ``ondemand@same-memory`` has that cache plus the bytes of
+  ``specter``'s INT4 draft (same total device memory).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from specter.bench.spec import SAME_MEMORY, BenchSpec
+
+SCHEMA = "specter.bench/2"
+BASELINES = ("ondemand", SAME_MEMORY, "router-lookahead", "resident", "hf-offload")
+OFFLOADED = ("ondemand", "router-lookahead", "specter", SAME_MEMORY)
+
+
+def machine() -> dict:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    device = "cuda: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "device": device}
+
+
+def specter_variants(spec: BenchSpec) -> list[tuple[str, list[str], int | None, str]]:
+    """(label, recipe overrides, k, governor) of every specter row."""
+    variants = [(f"specter k={k}", ["speculation.governor.name=fixed", f"speculation.governor.k={k}"], k, "fixed")
+                for k in spec.k]
+    variants += [(f"specter {g}", [f"speculation.governor.name={g}"], None, g) for g in spec.governors]
+    return variants
+
+
+class Progress:
+    """A tqdm bar over all timed runs on a terminal; plain lines on stderr otherwise."""
+
+    def __init__(self, total: int, title: str, enabled: bool | None = None) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=title, unit="run", disable=None if enabled is None else not enabled,
+                        file=sys.stderr)
+
+    def log(self, message: str) -> None:
+        if self.bar.disable:
+            print(message, file=sys.stderr, flush=True)
+        else:
+            self.bar.write(message, file=sys.stderr)
+
+    def step(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class Sweep:
+    def __init__(self, spec: BenchSpec, progress: bool | None = None) -> None:
+        self.spec = spec
+        self.prompts = spec.recipe.resolved_prompts()
+        self.runs: dict[tuple, list[dict]] = {}  # (label, budget, link, compile) -> reports
+        self.tokens: dict[tuple, list[list[int]]] = {}
+        self.cells: dict[tuple, dict[str, list[float]]] = {}  # (budget, link, compile) -> label -> tok/s runs
+        self.meta: dict[str, dict] = {}  # label -> {engine, k, governor, note}
+        self.reference: list[list[int]] | None = None
+        self.progress = Progress(self._count_runs(), spec.title, progress)
+
+    def _count_runs(self) -> int:
+        spec = self.spec
+        offloaded = sum(1 for e in spec.engines if e in OFFLOADED and e != "specter")
+        offloaded += len(specter_variants(spec)) if "specter" in spec.engines else 0
+        per_cell = offloaded + ("resident" in spec.engines)
+        total = per_cell * len(spec.budgets) * len(spec.links) * len(spec.compile)
+        total += ("hf-offload" in spec.engines) * len(spec.budgets)
+        return total * spec.repeats
+
+    # ----- building ---------------------------------------------------------------------------
+
+    def _build(self, label: str, engine: str, budget, link: str | None, compile: bool, extra=()):
+        from specter.engine import build_engine
+
+        mode = "compiled" if compile else "eager"
+        where = "" if budget is None else f" budget {budget}"
+        self.progress.log(f"building {label} ({mode}{where}) ...")
+        started = time.perf_counter()
+        built = build_engine(self.spec.cell_recipe(engine, budget, link, compile, extra))
+        built.bench_label = label
+        self.progress.log(f"built {label} in {time.perf_counter() - started:.1f} s")
+        return built
+
+    def _offloaded_group(self, budget, link: str, compile: bool) -> dict[str, Any]:
+        spec, group = self.spec, {}
+        if "specter" in spec.engines:
+            for label, extra, k, governor in specter_variants(spec):
+                group[label] = self._build(label, "specter", budget, link, compile, extra)
+                self.meta[label] = {"engine": "specter", "k": k, "governor": governor}
+        for name in ("ondemand", "router-lookahead"):
+            if name in spec.engines:
+                group[name] = self._build(name, name, budget, link, compile)
+                self.meta[name] = {"engine": name}
+        if SAME_MEMORY in spec.engines:
+            first = next(e for e in group.values() if e.name == "specter")
+            same_bytes = first.cache.bytes + first.draft_bytes
+            group[SAME_MEMORY] = self._build(SAME_MEMORY, "ondemand", None, link, compile,
+                                             [f"offload.expert_budget={same_bytes}B"])
+            self.meta[SAME_MEMORY] = {"engine": "ondemand", "note": f"cache = specter's cache + INT4 draft ({same_bytes:,} B)"}
+        return group
+
+    # ----- running ----------------------------------------------------------------------------
+
+    def _run_cell(self, engines: dict[str, Any], budget, link: str | None, compile: bool, scopes: dict[str, tuple]) -> None:
+        for engine in engines.values():
+            engine.generate(self.prompts[:1], max_new_tokens=self.spec.warmup_tokens or 1)
+        cell = self.cells.setdefault((budget, link, compile), {})
+        for repeat in range(self.spec.repeats):
+            order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+            for label in order:
+                result = engines[label].generate(self.prompts)
+                rate = result.report["decode_tokens_per_s"]
+                key = scopes.get(label, (label, budget, link, compile))
+                self.runs.setdefault(key, []).append(result.report)
+                self.tokens[key] = result.token_ids
+                cell.setdefault(label, []).append(rate)
+                if label == "resident" and not compile and self.reference is None:
+                    self.reference = result.token_ids
+                self.progress.step()
+                self.progress.log(f"[{_cell_name(budget, link, compile)} #{repeat + 1}] {label}: {rate:.2f} tok/s")
+
+    def run(self) -> None:
+        spec = self.spec
+        links = list(spec.links)
+        for compile in spec.compile:
+            resident = self._build("resident", "resident", None, None, compile) if "resident" in spec.engines else None
+            self.meta["resident"] = {"engine": "resident"}
+            for budget in spec.budgets:
+                group = self._offloaded_group(budget, links[0], compile)
+                hf = None
+                if "hf-offload" in spec.engines and compile == spec.compile[0]:
+                    hf = self._build("hf-offload", "hf-offload", budget, None, False)
+                    self.meta["hf-offload"] = {"engine": "hf-offload", "note": _hf_note(hf)}
+                for index, link in enumerate(links):
+                    if index:
+                        for engine in group.values():
+                            engine.use_link(_make_link(spec, engine, link))
+                    cell = dict(group)
+                    scopes = {}
+                    if resident is not None:
+                        cell["resident"] = resident
+                        scopes["resident"] = ("resident", None, None, compile)
+                    if hf is not None and index == 0:
+                        cell["hf-offload"] = hf
+                        scopes["hf-offload"] = ("hf-offload", budget, None, False)
+                    self._run_cell(cell, budget, link, compile, scopes)
+                for engine in [*group.values(), *([hf] if hf is not None else [])]:
+                    engine.close()
+                del group, hf
+                gc.collect()
+            if resident is not None:
+                resident.close()
+            del resident
+            gc.collect()
+        self.progress.close()
+
+    # ----- the document -----------------------------------------------------------------------
+
+    def rows(self) -> list[dict]:
+        hf_medians = {key[1]: statistics.median(r["decode_tokens_per_s"] for r in reports)
+                      for key, reports in self.runs.items() if key[0] == "hf-offload"}
+        out = []
+        for key, reports in self.runs.items():
+            label, budget, link, compile = key
+            rates = [r["decode_tokens_per_s"] for r in reports]
+            last = reports[-1]
+            median = statistics.median(rates)
+            ratios = {}
+            if link is not None:
+                cell = {name: statistics.median(v) for name, v in self.cells[(budget, link, compile)].items()}
+                if budget in hf_medians:
+                    cell.setdefault("hf-offload", hf_medians[budget])
+                ratios = {base: median / cell[base] for base in BASELINES if base in cell and base != label}
+            meta = self.meta.get(label, {"engine": label})
+            greedy = self.spec.recipe.sampling.temperature == 0
+            out.append({
+                "engine": meta["engine"], "label": label, "k": meta.get("k"), "governor": meta.get("governor"),
+                "budget": budget, "link": link, "compile": compile,
+                "decode_tokens_per_s": {"median": median, "min": min(rates), "max": max(rates), "runs": rates},
+                "hit_rate": last.get("hit_rate"), "io_wait_share": last.get("io_wait_share"),
+                "copies_per_token": last.get("copies_per_token"), "acceptance_rate": last.get("acceptance_rate"),
+                "mean_accepted_per_step": last.get("mean_accepted_per_step"),
+                "k_mean": (last.get("k") or {}).get("mean"), "k_histogram": (last.get("k") or {}).get("histogram"),
+                "ttft_s": last.get("ttft_s"), "transfer_wait_s": last.get("transfer_wait_s"),
+                "device_bytes_total": (last.get("device_bytes") or {}).get("total"),
+                "lossless": (self.tokens[key] == self.reference) if greedy and self.reference is not None else None,
+                "note": meta.get("note"), "ratios": ratios,
+                "compile_stats": last.get("compile"), "offload": last.get("offload"),
+            })
+        return out
+
+    def document(self, command: str, wall_s: float) -> dict:
+        any_report = next(iter(self.runs.values()))[-1]
+        links = {}
+        for name, link in self.spec.links.items():
+            kind = link.get("kind", self.spec.recipe.offload.link.kind)
+            if kind == "auto":
+                kind = "cuda" if torch.cuda.is_available() else "emulated"
+            links[name] = {**link, "kind": kind, "emulated": kind == "emulated"}
+        return {
+            "schema": SCHEMA, "title": self.spec.title, "command": command, "model": any_report["model"],
+            "machine": machine(), "threads": self.spec.recipe.threads, "dtype": self.spec.recipe.dtype,
+            "prompts": len(self.prompts), "max_new_tokens": self.spec.recipe.max_new_tokens,
+            "repeats": self.spec.repeats, "wall_s": wall_s, "links": links, "budgets": list(self.spec.budgets),
+            "bench_recipe": self.spec.as_dict(), "rows": self.rows(),
+        }
+
+
+def _cell_name(budget, link, compile) -> str:
+    return f"budget {budget}, {link} link, {'compiled' if compile else 'eager'}"
+
+
+def _hf_note(engine) -> str:
+    offload = engine.engine_report().get("offload") or {}
+    return (f"transformers + accelerate: experts modules beyond the budget offloaded to {offload.get('tier', '?')} "
+            f"({offload.get('modules_offloaded', '?')} modules, {offload.get('offloaded_bytes') or 0:,} B), "
+            "whole layers at a time; eager only")
+
+
+def _make_link(spec: BenchSpec, engine, link: str):
+    from specter.engine import make_link
+
+    return make_link(spec.cell_recipe(engine.name, None, link, False), engine.device)
+
+
+def run_bench(spec: BenchSpec, command: str = "", progress: bool | None = None,
+              on_done: Callable[[dict], None] | None = None) -> dict:
+    torch.set_num_threads(spec.recipe.threads)
+    started = time.perf_counter()
+    sweep = Sweep(spec, progress)
+    sweep.run()
+    return sweep.document(command, time.perf_counter() - started)

@@ -1,0 +1,162 @@
+"""Markdown rendering of a ``specter.bench/2`` JSON document.
+
+Contract: ``markdown(bench)`` returns GitHub-flavoured markdown, with no I/O: a header paragraph
+(title, model, machine, threads, prompts x new tokens, repeats, command), one line per link
+(an emulated link is marked EMULATED), then one table per (budget, link) cell, budgets in the
+order of ``bench["budgets"]`` and links in the order of ``bench["links"]``, and a last table for
+the budget-independent rows (those whose budget or link is null: resident, hf-offload). Each
+JSON row is exactly one table row, in JSON order within its table. Any metric may be null or
+absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. A row's ``note``
+is listed under its table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+SAME_MEMORY = "ondemand@same-memory"
+
+COLUMNS = (
+    "engine", "compile", "decode tok/s median (min-max)", "vs ondemand", "vs same-memory", "vs resident",
+    "hit rate", "copies/token", "I/O wait share", "acceptance", "mean k", "device MiB", "lossless",
+)
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:g}%"
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _tokens(stats: dict | None) -> str:
+    stats = stats or {}
+    median, lo, hi = stats.get("median"), stats.get("min"), stats.get("max")
+    if median is None:
+        return "-"
+    if lo is None or hi is None:
+        return f"{median:.2f}"
+    return f"{median:.2f} ({lo:.2f}-{hi:.2f})"
+
+
+def _lossless(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "**NO**")
+
+
+def _mean_k(row: dict) -> str:
+    k = row.get("k_mean")
+    return _num(k if k is not None else row.get("k"), 2)
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def _label(row: dict, independent: bool) -> str:
+    label = row.get("label") or row.get("engine") or "?"
+    if not independent:
+        return label
+    where = [f"budget {_pct(row['budget'])}"] if row.get("budget") is not None else []
+    where += [f"link {row['link']}"] if row.get("link") is not None else []
+    return f"{label} ({', '.join(where)})" if where else label
+
+
+def table_row(row: dict, independent: bool = False) -> str:
+    ratios = row.get("ratios") or {}
+    cells = (
+        _label(row, independent),
+        "compiled" if row.get("compile") else "eager",
+        _tokens(row.get("decode_tokens_per_s")),
+        _ratio(ratios.get("ondemand")),
+        _ratio(ratios.get(SAME_MEMORY)),
+        _ratio(ratios.get("resident")),
+        _num(row.get("hit_rate"), 3),
+        _num(row.get("copies_per_token"), 2),
+        _num(row.get("io_wait_share"), 3),
+        _num(row.get("acceptance_rate"), 3),
+        _mean_k(row),
+        _mib(row.get("device_bytes_total")),
+        _lossless(row.get("lossless")),
+    )
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+
+
+def table(rows: Iterable[dict], independent: bool = False) -> list[str]:
+    rows = list(rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += [table_row(row, independent) for row in rows]
+    notes = [(row.get("label") or row.get("engine") or "?", row["note"]) for row in rows if row.get("note")]
+    if notes:
+        lines += [""] + [f"- {_cell(label)}: {_cell(note)}" for label, note in notes]
+    return lines
+
+
+def link_line(name: str, link: dict | None) -> str:
+    link = link or {}
+    parts = [str(link.get("kind") or "?")]
+    if link.get("gbps") is not None:
+        parts.append(f"{link['gbps']:g} GB/s")
+    if link.get("latency_us") is not None:
+        parts.append(f"{link['latency_us']:g} us latency")
+    text = f"- link `{name}`: {', '.join(parts)}"
+    return text + (" - **EMULATED** (paced in software, not measured hardware)" if link.get("emulated") else "")
+
+
+def header(bench: dict) -> list[str]:
+    model, machine = bench.get("model") or {}, bench.get("machine") or {}
+    expert_bytes = model.get("expert_bytes")
+    model_text = (f"{model.get('arch', '?')} (`{model.get('path', '?')}`): {model.get('n_moe_layers', '?')} MoE layers"
+                  f" x {model.get('n_experts', '?')} experts, top-{model.get('top_k', '?')}, "
+                  f"{_mib(expert_bytes)} MiB per expert")
+    machine_text = ", ".join(
+        f"{key} {machine[key]}" for key in ("cpu", "cores", "platform", "python", "torch", "transformers", "device")
+        if machine.get(key) is not None)
+    wall = bench.get("wall_s")
+    workload = (f"{bench.get('prompts', '?')} prompts x {bench.get('max_new_tokens', '?')} new tokens, "
+                f"{bench.get('repeats', '?')} repeats (median over repeats)"
+                + (f", wall {wall:.1f} s" if wall is not None else ""))
+    lines = [
+        f"## {bench.get('title') or 'bench'}",
+        "",
+        f"**Model**: {model_text}. **Machine**: {machine_text or '-'}. **Threads**: {bench.get('threads', '-')}. "
+        f"**Workload**: {workload}.",
+    ]
+    if bench.get("command"):
+        lines += ["", f"Command: `{bench['command']}`"]
+    links = bench.get("links") or {}
+    if links:
+        lines += [""] + [link_line(name, link) for name, link in links.items()]
+    return lines
+
+
+def _order(declared: Iterable, seen: Iterable) -> list:
+    order = list(declared)
+    return order + [value for value in dict.fromkeys(seen) if value not in order]
+
+
+def markdown(bench: dict) -> str:
+    rows = bench.get("rows") or []
+    cell_rows = [r for r in rows if r.get("budget") is not None and r.get("link") is not None]
+    independent = [r for r in rows if r.get("budget") is None or r.get("link") is None]
+    budgets = _order(bench.get("budgets") or [], (r["budget"] for r in cell_rows))
+    links = _order(bench.get("links") or {}, (r["link"] for r in cell_rows))
+    lines = header(bench)
+    for budget in budgets:
+        for link in links:
+            cell = [r for r in cell_rows if r["budget"] == budget and r["link"] == link]
+            if cell:
+                emulated = ((bench.get("links") or {}).get(link) or {}).get("emulated")
+                lines += ["", f"### budget {_pct(budget)} of experts, link `{link}`"
+                          + (" (EMULATED)" if emulated else ""), ""] + table(cell)
+    if independent:
+        lines += ["", "### budget-independent", ""] + table(independent, independent=True)
+    return "\n".join(lines) + "\n"
