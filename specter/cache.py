@@ -242,6 +242,13 @@ class ExpertCache:
         """Keys the next step needs: prefetches will not evict them (demand loads still may)."""
         self._protected.update((int(layer), int(e)) for layer, e in keys)
 
+    def spare_slots(self) -> int:
+        """Slots a prefetch could take now: FREE ones and READY, unpinned, unprotected ones."""
+        return self._state.count(SlotState.FREE) + len(self._evictable(protected_too=False))
+
+    def unprotect(self, keys: Iterable[ExpertKey]) -> None:
+        self._protected.difference_update((int(layer), int(e)) for layer, e in keys)
+
     def unprotect_all(self) -> None:
         self._protected.clear()
 

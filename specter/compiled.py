@@ -613,7 +613,7 @@ def compile_engine(engine, max_k: int | None = None) -> CompiledDecoder:
         decoder.set_draft(draft)
         if max_k is None:
             governor = getattr(engine, "governor", None)
-            max_k = governor.k if isinstance(governor, FixedGovernor) else MAX_K
+            max_k = governor.k if isinstance(governor, FixedGovernor) else getattr(governor, "k_max", MAX_K)
     decoder.warm_up(max_verify_tokens=(max_k or 0) + 1, draft=bool(draft))
     engine.compiled = decoder
     return decoder

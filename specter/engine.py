@@ -507,7 +507,8 @@ def _build_engine(recipe) -> Engine:
         predictor = registry().create("predictor", spec.predictor.name, spec.predictor.options,
                                       key="speculation.predictor.name")
         governor = registry().create("governor", spec.governor.name, spec.governor.options,
-                                     key="speculation.governor.name", k=spec.governor.k)
+                                     key="speculation.governor.name", k=spec.governor.k,
+                                     n_experts=store.n_experts, top_k=max(m.top_k for m in layers))
         draft = speculative.build_draft(layers, store, device, spec.draft.group_size)
         return speculative.SpecterEngine(*parts, predictor=predictor, governor=governor, draft=draft)
     raise SpecterError(f"engine: {engine_name!r} is not available; available: resident, ondemand, router-lookahead, "

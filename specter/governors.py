@@ -1,12 +1,17 @@
 """Speculation governors: who picks k, the number of tokens drafted per speculative step.
 
 Contract: the engine creates one governor per run through the plugin registry
-(``registry().create("governor", name, options, k=recipe.speculation.governor.k)``; factories
+(``registry().create("governor", name, options, k=..., n_experts=..., top_k=...)``; factories
 take the context keywords they name, see ``specter.plugins``), then alternates ``next_k()``
-before each draft phase and ``observe(drafted, accepted, **timings)`` after each verification.
-``next_k`` returns an int in ``1..MAX_K``. ``accepted`` counts accepted draft tokens (the bonus
-token excluded), so ``0 <= accepted <= drafted``. ``timings`` are seconds named by phase (for
-example ``draft_s``, ``verify_s``, ``io_wait_s``); a governor ignores names it does not use.
+before each round and ``observe(drafted, accepted, **timings)`` after each verification.
+``next_k`` returns an int in ``0..MAX_K``; 0 means a plain decoding round (one target step, with
+router-lookahead prefetch); anything else makes the engine stop with an error naming the
+governor (``check_next_k``). ``accepted`` counts accepted draft tokens (the bonus token
+excluded), so ``0 <= accepted <= drafted``. ``timings`` are the round's measured phases:
+``draft_s``, ``flush_s``, ``verify_s`` (its transfer wait included), ``verify_io_wait_s``,
+``host_s``, ``round_s`` (seconds) and ``draft_steps``, ``experts_read`` (counts); a governor
+ignores names it does not use. A governor may offer ``summary() -> dict`` for the report.
+Built-ins: ``fixed`` (always k) and ``roofline`` (``specter.roofline``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ def check_k(k: object) -> int:
     return k
 
 
+def check_next_k(k: object, governor: object) -> int:
+    """``k`` if it is an int in ``0..MAX_K``; else ``SpecterError`` naming the governor."""
+    from specter.errors import SpecterError
+
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
+        name = getattr(governor, "name", type(governor).__name__)
+        raise SpecterError(f"speculation.governor: governor {name!r} returned k={k!r} from next_k(); "
+                           f"a governor must return an integer in 0..{MAX_K}")
+    return k
+
+
 def check_observation(drafted: int, accepted: int) -> None:
     """Raise ``ValueError`` unless ``0 <= accepted <= drafted`` (both ints)."""
     if not (isinstance(drafted, int) and isinstance(accepted, int) and 0 <= accepted <= drafted):
@@ -45,6 +61,8 @@ def check_observation(drafted: int, accepted: int) -> None:
 
 class FixedGovernor(Governor):
     """Always drafts ``k`` tokens, whatever the acceptance."""
+
+    name = "fixed"
 
     def __init__(self, k: int = 4) -> None:
         self.k = check_k(k)
@@ -59,6 +77,13 @@ class FixedGovernor(Governor):
         return f"FixedGovernor(k={self.k})"
 
 
+def roofline_governor(k: int = 4, n_experts: int = 16, top_k: int = 2, **options) -> Governor:
+    from specter.roofline import RooflineGovernor
+
+    return RooflineGovernor(k=k, n_experts=n_experts, top_k=top_k, **options)
+
+
 @hookimpl
 def register_governors(register: Register) -> None:
     register("fixed", FixedGovernor)
+    register("roofline", roofline_governor)

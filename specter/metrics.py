@@ -26,6 +26,7 @@ class GenerationMetrics:
     rounds: int = 0
     k_histogram: Counter = dataclasses.field(default_factory=Counter)
     wall_s: float = 0.0
+    phases: Counter = dataclasses.field(default_factory=Counter)  # seconds and counts per round phase
 
     def observe_prefill(self, prompt_tokens: int, seconds_to_first_token: float) -> None:
         self.prompts += 1
@@ -44,6 +45,31 @@ class GenerationMetrics:
         self.drafted += k
         self.accepted += accepted
         self.k_histogram[k] += 1
+
+    def observe_round(self, *, draft_s: float, flush_s: float, verify_s: float, host_s: float, total_s: float,
+                      draft_steps: int, verify_tokens: int, experts_read: int, verify_io_wait_s: float) -> None:
+        """Phase timings of one speculation round: drafting, flushing prefetches, the verification
+        forward (its transfer wait included: ``verify_io_wait_s``), and the rest (host work)."""
+        self.phases.update(rounds=1, draft_s=draft_s, flush_s=flush_s, verify_s=verify_s, host_s=host_s,
+                           round_s=total_s, draft_steps=draft_steps, verify_tokens=verify_tokens,
+                           experts_read=experts_read, verify_io_wait_s=verify_io_wait_s)
+
+    def phase_report(self, moe_layers: int) -> dict | None:
+        """Totals and per-round means of the phases, the draft step's mean time and the verification's
+        time per distinct (layer, expert) it read; None when no round was observed."""
+        p = self.phases
+        if not p.get("rounds"):
+            return None
+        rounds = p["rounds"]
+        out = {name: p.get(name, 0) for name in ("rounds", "draft_s", "flush_s", "verify_s", "host_s", "draft_steps",
+                                                   "verify_tokens", "experts_read", "verify_io_wait_s")}
+        out["draft_step_s"] = p["draft_s"] / p["draft_steps"] if p.get("draft_steps") else None
+        out["verify_s_per_round"] = p["verify_s"] / rounds
+        out["verify_tokens_per_round"] = p["verify_tokens"] / rounds
+        out["distinct_experts_per_layer"] = p["experts_read"] / rounds / moe_layers if moe_layers else None
+        compute = p["verify_s"] - p.get("verify_io_wait_s", 0)
+        out["verify_compute_s_per_expert"] = compute / p["experts_read"] if p.get("experts_read") else None
+        return out
 
     @property
     def decode_tokens_per_s(self) -> float | None:

@@ -88,6 +88,8 @@ def build_report(engine, metrics, result) -> dict:
         "threads": torch.get_num_threads(),
         "versions": versions(),
     })
+    report["decode_step_s"] = metrics.decode_s / metrics.target_steps if metrics.target_steps else None
+    report["phases"] = metrics.phase_report(report["model"]["n_moe_layers"])
     report.update(engine.engine_report())
     # decode-phase figures: transfer_wait_s, hit_rate and copies count the decode steps only
     if report["transfer_wait_s"] is not None and metrics.decode_s > 0:

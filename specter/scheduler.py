@@ -7,10 +7,19 @@ Contract (the three phases of MoE-SpeQ), per speculation round:
    verification pass will need them — layer order, then confidence — keeping at most
    ``max_in_flight`` transfers queued on the link, so a late, earlier-layer prediction still
    overtakes an early, later-layer one.
-3. ``flush()`` just before verification issues every remaining predicted expert.
-``end_round(used)`` compares what was predicted with what the target used, then lifts the
-protection. Every predicted expert of the round is protected, so a prefetch never evicts an
-expert predicted for the coming pass; the cache policy also receives the ordered buffer as hints.
+3. ``flush()`` just before verification issues every remaining predicted expert that the cache
+   can place now. What it cannot place (the round's experts exceed the cache) stays pending.
+4. Streaming: ``advance(layer)``, called as verification reaches each MoE layer, lifts the
+   protection of the round's experts of the layers already verified (they are not needed again
+   this round), narrows the hints to what is still ahead and issues pending prefetches of later
+   layers into the slots that frees, in need order, keeping enough spare slots for the current
+   layer's own demand loads (its predictions that never got a slot: too late to prefetch). So
+   the experts of layer L+1 stream into slots freed by layers before L while layer L computes,
+   and a prefetch refused at flush is retried before its layer needs it.
+``end_round(used)`` compares what was predicted with what the target used, counts the
+predictions never placed (``not_admitted``), then lifts the protection. Every predicted expert
+of a layer not yet verified is protected, so a prefetch never evicts an expert the rest of the
+pass needs; the cache policy also receives the ordered buffer as hints.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ class SchedulerStats:
     cached_at_prediction: int = 0  # phase 1: already in the cache when predicted
     issued_while_drafting: int = 0  # phase 2
     issued_at_flush: int = 0  # phase 3
-    not_admitted: int = 0  # prefetches the cache could not place (no evictable slot)
+    not_admitted: int = 0  # predictions the cache could not place before the round ended
+    streamed: int = 0  # prefetches issued by advance() into slots freed during verification
 
     def recall(self) -> float | None:
         return self.predicted_and_used / self.used if self.used else None
@@ -47,11 +57,13 @@ class PrefetchScheduler:
         self._predicted: dict[ExpertKey, float] = {}
         self._pending: dict[ExpertKey, float] = {}
         self._active = False
+        self._frontier = -1  # the MoE layer verification has reached this round
 
     def begin_round(self) -> None:
         self._predicted.clear()
         self._pending.clear()
         self._active = True
+        self._frontier = -1
 
     def add(self, layer: int, experts: Sequence[int], confidences: Sequence[float]) -> None:
         if not self._active:
@@ -72,22 +84,29 @@ class PrefetchScheduler:
     def ordered(self, keys: Iterable[ExpertKey]) -> list[ExpertKey]:
         return sorted(keys, key=lambda k: (k[0], -self._predicted.get(k, 0.0), k[1]))
 
-    def _issue(self, limit: int | None) -> int:
+    def _issue(self, limit: int | None, reserve: int = 0) -> int:
+        """Issue pending prefetches in need order, leaving ``reserve`` spare slots for demand
+        loads; a key the cache cannot place stays pending."""
         issued = 0
         for key in self.ordered(self._pending):
             if limit is not None and self.cache.in_flight >= limit:
                 break
-            del self._pending[key]
+            if reserve and self.cache.spare_slots() <= reserve:
+                break
+            if key[0] < self._frontier:
+                del self._pending[key]  # its layer is already verified
+                continue
             if self.cache.contains(key):
+                del self._pending[key]
                 continue
             if self.cache.prefetch(key[0], key[1], self._predicted[key]):
+                del self._pending[key]
                 issued += 1
-            else:
-                self.stats.not_admitted += 1
         return issued
 
     def _send_hints(self) -> None:
-        self.cache.policy.on_hints([(key, self._predicted[key]) for key in self.ordered(self._predicted)])
+        ahead = [k for k in self.ordered(self._predicted) if k[0] >= self._frontier]
+        self.cache.policy.on_hints([(key, self._predicted[key]) for key in ahead])
 
     def pump(self) -> None:
         if self._pending:
@@ -99,8 +118,26 @@ class PrefetchScheduler:
         if self._pending:
             self.stats.issued_at_flush += self._issue(None)
 
+    def advance(self, layer: int) -> None:
+        """Verification has reached MoE layer ``layer``: free the verified layers' experts for
+        streaming and issue what was pending (see the module docstring)."""
+        if not self._active or layer <= self._frontier:
+            return
+        self._frontier = layer
+        too_late = [k for k in self._pending if k[0] <= layer]  # the layer's own misses load on demand
+        for key in too_late:
+            del self._pending[key]
+        self.stats.not_admitted += len(too_late)
+        done = [k for k in self._predicted if k[0] < layer]
+        if done:
+            self.cache.unprotect(done)
+        if self._pending:
+            self._send_hints()
+            self.stats.streamed += self._issue(None, reserve=len(too_late))
+
     def end_round(self, used: set[ExpertKey]) -> None:
         predicted = set(self._predicted)
+        self.stats.not_admitted += len(self._pending)
         self.stats.rounds += 1
         self.stats.predicted += len(predicted)
         self.stats.used += len(used)

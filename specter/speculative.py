@@ -1,7 +1,8 @@
 """Speculative engines: ``specter`` (INT4 self-draft + lookahead prefetch) and ``router-lookahead``.
 
 Contract of one ``specter`` round (batch 1, one shared ``DynamicCache``):
-1. The governor picks k. The draft — the same model with its routed experts switched to the
+1. The governor picks k (k = 0: a plain decoding round, one target step with router-lookahead
+   prefetch, as the ``router-lookahead`` engine does). The draft — the same model with its routed experts switched to the
    resident INT4 copies; attention, norms, routers, embeddings and KV cache are the target's own
    — runs k steps from the last emitted token, appending temporary KV entries. Its routing at
    every (position, layer) fills the scheduler's lookahead buffer and prefetches start at once.
@@ -28,7 +29,9 @@ from specter.acceptance import greedy_verify, rejection_verify
 from specter.engine import OffloadedEngine
 from specter.experts import SlotView
 from specter.generate import crop_to, synchronize
+from specter.governors import check_next_k
 from specter.kernels.int4_experts import Int4Experts
+from specter.predictors.router_lookahead import RouterLookaheadPredictor
 from specter.sampling import logits_to_probs, sample
 from specter.scheduler import PrefetchScheduler
 
@@ -56,9 +59,14 @@ class PrefetchingEngine(OffloadedEngine):
         self.scheduler = PrefetchScheduler(self.cache, max_in_flight=max_in_flight)
         self.predictor = predictor
         self.predictor.bind(self.scheduler, self.runtime.layers)
+        self.runtime.observers.append(self._advance)
         self.runtime.observers.append(self.predictor.observe)
         self._used: set[tuple[int, int]] = set()
         self.runtime.observers.append(self._record_use)
+
+    def _advance(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
+        if mode == "target":
+            self.scheduler.advance(layer)
 
     def _record_use(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
         if mode == "target":
@@ -84,7 +92,7 @@ class PrefetchingEngine(OffloadedEngine):
             "recall": stats.recall(), "precision": stats.precision(),
             "cached_at_prediction": stats.cached_at_prediction,
             "issued_while_drafting": stats.issued_while_drafting, "issued_at_flush": stats.issued_at_flush,
-            "not_admitted": stats.not_admitted,
+            "streamed": stats.streamed, "not_admitted": stats.not_admitted,
         }
         return report
 
@@ -104,6 +112,15 @@ class SpecterEngine(PrefetchingEngine):
         self.draft = draft
         self.governor = governor
         self.lookahead_last = lookahead_last and self.predictor.needs_draft
+        # k = 0 rounds decode plainly; then layer L's router predicts layer L+1 (as router-lookahead)
+        self._plain_round = False
+        self.plain_predictor = RouterLookaheadPredictor()
+        self.plain_predictor.bind(self.scheduler, self.runtime.layers)
+        self.runtime.observers.append(self._plain_observe)
+
+    def _plain_observe(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
+        if self._plain_round:
+            self.plain_predictor.observe(layer, hidden, top_k_index, top_k_weights, mode)
 
     @property
     def draft_bytes(self) -> int:
@@ -117,6 +134,8 @@ class SpecterEngine(PrefetchingEngine):
         device_bytes["total"] += self.draft_bytes
         report["draft"] = {"bits": 4, "group_size": next(iter(self.draft.values())).group_size,
                            "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.lookahead_last}
+        summary = getattr(self.governor, "summary", None)
+        report["governor"] = summary() if callable(summary) else {"name": getattr(self.governor, "name", None)}
         return report
 
     def _draft_tokens(self, token: int, k: int, kv, generator, context: list[int]) -> tuple[list[int], torch.Tensor | None]:
@@ -132,7 +151,7 @@ class SpecterEngine(PrefetchingEngine):
             return drafted, torch.nn.functional.one_hot(torch.tensor(drafted), vocab).float().to(self.device)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
-        steps = k + (1 if self.lookahead_last else 0)
+        steps = k + (1 if self.lookahead_last and k else 0)
         with self.runtime.drafting():
             current = token
             for step in range(steps):
@@ -156,15 +175,23 @@ class SpecterEngine(PrefetchingEngine):
         new_tokens = [token]
         while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
             started = time.perf_counter()
-            k = max(0, min(self.governor.next_k(), max_new_tokens - len(new_tokens) - 1))
+            k = min(check_next_k(self.governor.next_k(), self.governor), max_new_tokens - len(new_tokens) - 1)
             base_length = kv.get_seq_length()
+            self._plain_round = k == 0
             self.begin_round()
             drafted, draft_probs = self._draft_tokens(token, k, kv, generator, prompt_ids + new_tokens)
             k = len(drafted)
             crop_to(kv, base_length)
+            synchronize(self.device)
+            drafted_at = time.perf_counter()
             self.scheduler.flush()
+            flushed_at = time.perf_counter()
+            wait_before = self.cache.stats.transfer_wait_s
             verify_ids = torch.tensor([[token] + drafted], device=self.device)  # [1, k+1]
             target_logits = self.forward_logits(verify_ids, kv)  # [k+1, V]
+            synchronize(self.device)
+            verified_at = time.perf_counter()
+            experts_read = len(self._used)
             self.end_round()
             if self.sampling.greedy:
                 result = greedy_verify(torch.tensor(drafted, dtype=torch.long, device=target_logits.device), target_logits)
@@ -182,10 +209,17 @@ class SpecterEngine(PrefetchingEngine):
                 emitted = emitted[: emitted.index(self.eos_token_id) + 1]
             emitted = emitted[: max_new_tokens - len(new_tokens)]
             synchronize(self.device)
-            metrics.observe_decode_step(len(emitted), time.perf_counter() - started)
-            if k:
-                metrics.observe_draft(k, result.accepted)
-                self.governor.observe(drafted=k, accepted=result.accepted)
+            total = time.perf_counter() - started
+            metrics.observe_decode_step(len(emitted), total)
+            proposed = getattr(self.predictor, "propose", None) is not None
+            draft_steps = 0 if proposed else k + (1 if self.lookahead_last and k else 0)
+            timings = dict(draft_s=drafted_at - started, flush_s=flushed_at - drafted_at,
+                           verify_s=verified_at - flushed_at, draft_steps=draft_steps, experts_read=experts_read,
+                           verify_io_wait_s=self.cache.stats.transfer_wait_s - wait_before)
+            timings["host_s"] = total - timings["draft_s"] - timings["flush_s"] - timings["verify_s"]
+            metrics.observe_round(total_s=total, verify_tokens=k + 1, **timings)
+            metrics.observe_draft(k, result.accepted)
+            self.governor.observe(drafted=k, accepted=result.accepted, round_s=total, **timings)
             new_tokens.extend(emitted)
             token = new_tokens[-1]
             if on_step:

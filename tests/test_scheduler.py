@@ -73,12 +73,12 @@ class RecordingLRU(LRUPolicy):
         self.hints.append(list(hints))
 
 
-def make_cache(n_slots: int, policy=None) -> tuple[ExpertCache, HeldLink]:
+def make_cache(n_slots: int, policy=None, layers: Sequence[int] = (0, 1)) -> tuple[ExpertCache, HeldLink]:
     gen = torch.Generator().manual_seed(0)
     store = ExpertStore({
         layer: {"gate_up_proj": torch.randn(N_EXPERTS, 4, 3, generator=gen),
                 "down_proj": torch.randn(N_EXPERTS, 3, 2, generator=gen)}
-        for layer in (0, 1)
+        for layer in layers
     })
     link = HeldLink()
     return ExpertCache(store, n_slots, torch.device("cpu"), link, policy or RecordingLRU()), link
@@ -173,9 +173,67 @@ def test_prefetch_never_evicts_a_predicted_key() -> None:
     link.complete_all()
     scheduler.add(1, [4], [0.7])  # every resident key is now predicted: no room without evicting one
     scheduler.flush()
-    assert scheduler.stats.not_admitted == 1
     assert cache.resident_keys() == [(0, 0), (1, 3)]
     assert len(link.submitted) == 1
+    scheduler.end_round(set())  # never placed: counted once the round is over
+    assert scheduler.stats.not_admitted == 1
+
+
+def test_streaming_a_round_larger_than_the_cache() -> None:
+    cache, link = make_cache(n_slots=4, layers=(0, 1, 2))
+    scheduler = PrefetchScheduler(cache, max_in_flight=8)
+    scheduler.begin_round()
+    scheduler.add(0, [0, 1], [0.9, 0.8])
+    scheduler.add(1, [2, 3], [0.7, 0.6])
+    scheduler.add(2, [4, 5], [0.5, 0.4])
+    scheduler.flush()
+    assert submitted_keys(cache, link) == [(0, 0), (0, 1), (1, 2), (1, 3)]  # layer 2 waits for room
+    link.complete_all()
+    copied = []
+    for layer, experts in ((0, [0, 1]), (1, [2, 3]), (2, [4, 5])):
+        before = len(link.submitted)
+        scheduler.advance(layer)  # what the engine does as verification reaches each MoE layer
+        copied += submitted_keys(cache, link, before)
+        cache.acquire(layer, experts)
+        cache.release(layer, experts)
+        link.complete_all()
+    assert copied == [(2, 4), (2, 5)]  # streamed into layer 0's slots while layer 1 computed
+    assert (cache.stats.misses, cache.stats.hits, cache.stats.prefetch_wasted) == (0, 6, 0)
+    scheduler.end_round({(0, 0), (0, 1), (1, 2), (1, 3), (2, 4), (2, 5)})
+    assert (scheduler.stats.streamed, scheduler.stats.not_admitted) == (2, 0)
+    assert cache.protected_keys() == frozenset()
+
+
+def test_streaming_keeps_slots_for_the_current_layers_demand_loads() -> None:
+    cache, link = make_cache(n_slots=2, layers=(0, 1, 2))
+    scheduler = PrefetchScheduler(cache, max_in_flight=8)
+    scheduler.begin_round()
+    for layer in (0, 1, 2):
+        scheduler.add(layer, [2 * layer, 2 * layer + 1], [0.9, 0.8])
+    scheduler.flush()
+    link.complete_all()
+    for layer in (0, 1, 2):
+        scheduler.advance(layer)
+        cache.acquire(layer, [2 * layer, 2 * layer + 1])
+        cache.release(layer, [2 * layer, 2 * layer + 1])
+        link.complete_all()
+    # no slot to spare: layers 1 and 2 load on demand, and no streamed prefetch is evicted unused
+    assert (cache.stats.misses, cache.stats.prefetch_wasted, scheduler.stats.streamed) == (4, 0, 0)
+    scheduler.end_round(set())
+    assert scheduler.stats.not_admitted == 4
+
+
+def test_advance_lifts_protection_of_verified_layers_only() -> None:
+    cache, _ = make_cache(n_slots=8, layers=(0, 1, 2))
+    scheduler = PrefetchScheduler(cache)
+    scheduler.begin_round()
+    scheduler.add(0, [0], [0.9])
+    scheduler.add(2, [1], [0.9])
+    scheduler.flush()
+    scheduler.advance(1)
+    assert cache.protected_keys() == frozenset({(2, 1)})
+    scheduler.advance(0)  # verification never goes back
+    assert cache.protected_keys() == frozenset({(2, 1)})
 
 
 def test_end_round_statistics_and_unprotect() -> None:

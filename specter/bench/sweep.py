@@ -26,7 +26,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -257,8 +257,10 @@ def _make_link(spec: BenchSpec, engine, link: str):
     return make_link(spec.cell_recipe(engine.name, None, link, False), engine.device)
 
 
-def run_bench(spec: BenchSpec, command: str = "", progress: bool | None = None,
-              on_done: Callable[[dict], None] | None = None) -> dict:
+def run_bench(spec: BenchSpec, command: str = "", progress: bool | None = None) -> dict:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one bar for the bench, not one per model load
     torch.set_num_threads(spec.recipe.threads)
     started = time.perf_counter()
     sweep = Sweep(spec, progress)

@@ -1,0 +1,67 @@
+"""The bench recipe: sweeps validate with errors naming the key; plain run recipes bench as one cell."""
+
+from __future__ import annotations
+
+import pytest
+
+from specter.bench.spec import DEFAULT_ENGINES, SAME_MEMORY, load_bench
+from specter.errors import RecipeError
+
+
+def bench(**sweep) -> dict:
+    return {"title": "t", "run": {"model": "bundled:tiny-moe", "max_new_tokens": 4}, "sweep": sweep}
+
+
+def test_a_plain_run_recipe_is_one_cell_with_the_default_engines():
+    spec = load_bench("recipes/specter.yaml")
+    assert spec.engines == DEFAULT_ENGINES
+    assert spec.budgets == (0.5,) and list(spec.links) == ["auto"] and spec.k == (4,) and spec.compile == (False,)
+    assert spec.title == "specter"
+
+
+def test_the_bench_recipes_load_with_two_budgets_two_links_and_both_compile_modes():
+    for path in ("recipes/bench-proxy.yaml", "recipes/bench-bundled.yaml"):
+        spec = load_bench(path)
+        assert len(spec.budgets) == 2 and len(spec.links) == 2 and spec.compile == (False, True)
+        assert {"resident", "ondemand", SAME_MEMORY, "router-lookahead", "specter", "hf-offload"} <= set(spec.engines)
+        gbps = sorted(link["gbps"] for link in spec.links.values())
+        assert gbps[1] == pytest.approx(10 * gbps[0])
+
+
+def test_cell_recipes_carry_the_cells_budget_link_and_mode():
+    spec = load_bench(bench(budgets=[0.25], links={"slow": {"kind": "emulated", "gbps": 0.5, "latency_us": 5}}))
+    recipe = spec.cell_recipe("specter", 0.25, "slow", True, ["speculation.governor.k=2"])
+    assert recipe.engine == "specter" and recipe.compile is True and recipe.check_lossless is False
+    assert recipe.offload.expert_budget.value == 0.25
+    assert (recipe.offload.link.kind, recipe.offload.link.gbps, recipe.offload.link.latency_us) == ("emulated", 0.5, 5)
+    assert recipe.speculation.governor.k == 2
+
+
+def test_overrides_reach_the_run_recipe_and_the_sweep():
+    spec = load_bench(bench(), ["max_new_tokens=7"], {"k": [1, 2], "repeats": 3})
+    assert spec.recipe.max_new_tokens == 7 and spec.k == (1, 2) and spec.repeats == 3
+
+
+@pytest.mark.parametrize("sweep, key", [
+    ({"engines": ["ondemand", "warp"]}, "sweep.engines[1]"),
+    ({"engines": ["ondemand", SAME_MEMORY]}, "sweep.engines"),
+    ({"budgets": [0.5, -1]}, "sweep.budgets[1]"),
+    ({"budgets": []}, "sweep.budgets"),
+    ({"links": {"x": {"gbps": -2}}}, "sweep.links.x"),
+    ({"links": {"x": 3}}, "sweep.links.x"),
+    ({"k": [0]}, "sweep.k"),
+    ({"compile": ["yes"]}, "sweep.compile"),
+    ({"repeats": 0}, "sweep.repeats"),
+    ({"repeets": 2}, "sweep.repeets"),
+])
+def test_mistakes_name_the_key(sweep, key):
+    with pytest.raises(RecipeError) as error:
+        load_bench(bench(**sweep))
+    assert str(error.value).startswith(key + ":")
+
+
+def test_unknown_top_level_key_and_bad_run_recipe_are_refused():
+    with pytest.raises(RecipeError, match="^extra: unknown key"):
+        load_bench({"run": {}, "extra": 1})
+    with pytest.raises(RecipeError, match="^max_new_tokens"):
+        load_bench({"run": {"max_new_tokens": -1}})

@@ -1,0 +1,92 @@
+"""A whole bench on a tiny random Mixtral: every engine in every cell, rows with ratios taken in
+the same cell, lossless against eager resident, files written by the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specter.bench.__main__ import main
+from specter.bench.spec import SAME_MEMORY, load_bench
+from specter.bench.sweep import run_bench
+
+LINKS = {"slow": {"kind": "emulated", "gbps": 0.05, "latency_us": 10}, "fast": {"kind": "local"}}
+
+
+def bench_recipe(model) -> dict:
+    return {"title": "tiny", "run": {"model": str(model), "threads": 1, "prompts": ["def f(x):", "import os\n"],
+                                     "max_new_tokens": 6, "offload": {"cache_policy": {"name": "lru"}}},
+            "sweep": {"engines": ["resident", "ondemand", SAME_MEMORY, "router-lookahead", "specter", "hf-offload"],
+                      "budgets": [0.25], "links": LINKS, "k": [2, 3], "compile": [False], "repeats": 2,
+                      "warmup_tokens": 2}}
+
+
+@pytest.fixture(scope="module")
+def document(tiny_mixtral) -> dict:
+    return run_bench(load_bench(bench_recipe(tiny_mixtral)), progress=False)
+
+
+def rows_by(document, label, link):
+    return [r for r in document["rows"] if r["label"] == label and r["link"] == link]
+
+
+def test_every_engine_has_a_row_per_cell_and_all_are_lossless(document):
+    labels = {"ondemand", SAME_MEMORY, "router-lookahead", "specter k=2", "specter k=3"}
+    for link in LINKS:
+        for label in labels:
+            (row,) = rows_by(document, label, link)
+            assert row["budget"] == 0.25 and row["compile"] is False
+            assert len(row["decode_tokens_per_s"]["runs"]) == 2
+            low, mid, high = (row["decode_tokens_per_s"][k] for k in ("min", "median", "max"))
+            assert 0 < low <= mid <= high
+            assert row["lossless"] is True
+    (resident,) = rows_by(document, "resident", None)
+    assert resident["budget"] is None and len(resident["decode_tokens_per_s"]["runs"]) == 2 * len(LINKS)
+    (hf,) = rows_by(document, "hf-offload", None)
+    assert hf["budget"] == 0.25 and hf["lossless"] is True and "disk" in hf["note"]
+
+
+def test_ratios_are_taken_against_baselines_of_the_same_cell(document):
+    for link in LINKS:
+        (specter,) = rows_by(document, "specter k=2", link)
+        (ondemand,) = rows_by(document, "ondemand", link)
+        ratio = specter["decode_tokens_per_s"]["median"] / ondemand["decode_tokens_per_s"]["median"]
+        assert specter["ratios"]["ondemand"] == pytest.approx(ratio)
+        assert set(specter["ratios"]) == {"ondemand", SAME_MEMORY, "router-lookahead", "resident", "hf-offload"}
+        assert "ondemand" not in ondemand["ratios"]
+
+
+def test_specter_rows_carry_k_and_acceptance_and_same_memory_is_bigger(document):
+    (k3,) = rows_by(document, "specter k=3", "fast")
+    assert k3["k"] == 3 and k3["governor"] == "fixed" and 0 <= k3["acceptance_rate"] <= 1
+    (same,) = rows_by(document, SAME_MEMORY, "fast")
+    (ondemand,) = rows_by(document, "ondemand", "fast")
+    assert same["device_bytes_total"] > ondemand["device_bytes_total"]
+    assert same["device_bytes_total"] == pytest.approx(k3["device_bytes_total"], rel=0.05)
+
+
+def test_links_are_labelled_and_the_document_is_json(document):
+    assert document["schema"] == "specter.bench/2"
+    assert document["links"]["slow"]["emulated"] is True and document["links"]["fast"]["emulated"] is False
+    assert document["threads"] == 1 and document["machine"]["cores"] >= 1
+    json.dumps(document)
+
+
+def test_cli_writes_json_markdown_and_plots(tiny_mixtral, tmp_path):
+    recipe = tmp_path / "tiny.yaml"
+    data = bench_recipe(tiny_mixtral)
+    data["sweep"].update(engines=["resident", "ondemand", "specter"], k=[2], repeats=1)
+    recipe.write_text(json.dumps(data))
+    out = tmp_path / "out"
+    assert main([str(recipe), "--out", str(out), "--links", json.dumps({"fast": {"kind": "local"}})]) == 0
+    written = json.loads((out / "tiny.json").read_text())
+    assert list(written["links"]) == ["fast"]
+    assert "| specter k=2 |" in (out / "tiny.md").read_text()
+    assert len(list(out.glob("tiny-*.png"))) >= 4
+
+
+def test_cli_refuses_bad_input_with_exit_2(tiny_mixtral, tmp_path, capsys):
+    assert main(["recipes/specter.yaml", "--budgets", "-3"]) == 2
+    assert "sweep.budgets[0]" in capsys.readouterr().err
+    assert main(["recipes/specter.yaml", "--links", "{not json"]) == 2
