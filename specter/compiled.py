@@ -25,8 +25,8 @@ Contract:
     ``cache.acquire`` loading misses, the slot math, ``release``; the layer's own experts module
     when resident), then a compiled final norm + LM head. Prefill (T > ``fused_max_tokens``, or
     any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
-    (for predictors that must act between layers, e.g. router lookahead). While more than half
-    of the recent fused cache steps missed (small cache, no prefetch), steps go layered directly.
+    (for predictors that must act between layers, e.g. router lookahead). For cache target
+    steps a ``PathChooser`` measures both paths per width and takes the faster one.
 - After a fused step the host replays, per layer in order, what the eager path does inside the
   step: the runtime's observers get (layer, expert input, top_k_index, top_k_weights, mode) and,
   for a cache target step, ``cache.acquire`` + ``release`` of the layer's experts keep the cache
@@ -278,6 +278,43 @@ class DraftExperts:
         return self.draft[row].forward_static(x, top_k_index, top_k_weights), None
 
 
+class PathChooser:
+    """Picks the faster path (``fused`` or ``layered``) for cache target steps of each width by
+    measuring both: a fused cache step waits for every transfer in flight and reruns layered when
+    an expert is missing, and reads experts per (token, slot) pair, while the layered path
+    overlaps transfers with earlier layers and reads each distinct expert once; which wins
+    depends on the cache, the link and the expert size. Each width tries both paths ``TRIALS``
+    times, then takes the lower moving average, trying the other path again every ``RECHECK``
+    steps of that width."""
+
+    TRIALS, RECHECK, WEIGHT = 2, 32, 0.2
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[int, str], float] = {}
+        self.counts: dict[tuple[int, str], int] = {}
+        self.steps: dict[int, int] = {}
+
+    def choose(self, width: int) -> str:
+        step = self.steps[width] = self.steps.get(width, 0) + 1
+        fused, layered = self.counts.get((width, "fused"), 0), self.counts.get((width, "layered"), 0)
+        if min(fused, layered) < self.TRIALS:
+            return "fused" if fused <= layered else "layered"
+        best = min(("fused", "layered"), key=lambda path: self.seconds[(width, path)])
+        if step % self.RECHECK == 0:
+            return "layered" if best == "fused" else "fused"
+        return best
+
+    def observe(self, width: int, path: str, seconds: float) -> None:
+        key = (width, path)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        previous = self.seconds.get(key)
+        self.seconds[key] = seconds if previous is None else (1 - self.WEIGHT) * previous + self.WEIGHT * seconds
+
+    def as_dict(self) -> dict:
+        return {f"{width}:{path}": {"steps": self.counts[(width, path)], "mean_s": seconds}
+                for (width, path), seconds in sorted(self.seconds.items())}
+
+
 @dataclasses.dataclass
 class StepOutput:
     logits: Tensor  # [T, V] float32
@@ -363,7 +400,7 @@ class CompiledDecoder:
             self.target_experts = SlotExperts(self.cache, self.expert_modules[0])
             self.host_experts = self._host_cache_experts
         self._draft_experts: DraftExperts | None = None
-        self._miss_rate = 0.0  # running share of fused cache steps that missed
+        self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
 
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
@@ -403,7 +440,8 @@ class CompiledDecoder:
             counts = {name: value if name == "warmup_s" else value - getattr(since, name)
                       for name, value in counts.items()}
         return {"enabled": True, "experts": self.source, "layered": self.layered, "max_len": self.max_len,
-                "span_step": self.span_step, "cuda_graphs": self.cuda_graphs, **counts}
+                "span_step": self.span_step, "cuda_graphs": self.cuda_graphs, "paths": self.chooser.as_dict(),
+                **counts}
 
     def set_draft(self, draft: dict[int, object]) -> None:
         """The INT4 draft experts by decoder layer (the speculative engine's)."""
@@ -491,18 +529,27 @@ class CompiledDecoder:
         return out.logits
 
     def _run_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
+        if self.cache is None:
+            return self._run_fused_target(tokens, positions, kv_index, kv)
+        width = tokens.shape[0]
+        path = self.chooser.choose(width)
+        started = time.perf_counter()
+        if path == "layered":
+            logits = self._run_layered(tokens, positions, kv_index, kv)
+        else:
+            logits = self._run_fused_target(tokens, positions, kv_index, kv)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.chooser.observe(width, path, time.perf_counter() - started)
+        return logits
+
+    def _run_fused_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is not None:
-            if self._miss_rate > 0.5:  # fused attempts keep missing (small cache, no prefetch): skip some
-                self._miss_rate *= 0.9
-                return self._run_layered(tokens, positions, kv_index, kv)
             self.cache.drain()
         out = self._call_fused(self._target_step, tokens, positions, kv_index, kv)
-        if out.missing is not None:
-            missed = bool(out.missing)
-            self._miss_rate = 0.8 * self._miss_rate + 0.2 * missed
-            if missed:
-                self.stats.fused_misses += 1
-                return self._run_layered(tokens, positions, kv_index, kv)
+        if out.missing is not None and bool(out.missing):
+            self.stats.fused_misses += 1
+            return self._run_layered(tokens, positions, kv_index, kv)
         self.stats.fused_steps += 1
         self._replay(out, "target")
         return out.logits

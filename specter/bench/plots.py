@@ -14,6 +14,9 @@ bench title), and returns the written paths in this order:
 - ``hit-rate`` and ``io-wait``: hit rate and I/O wait share, laid out as ``tokens``.
 - ``acceptance-k``: acceptance rate and mean k of the specter rows grouped by cell, and the
   k histogram (share of steps, summed over cells per label) when any row has one.
+- ``roofline``: for rows whose ``governor_summary`` has a ``table`` (at most 8, eager rows first),
+  one column of panels each: predicted tokens/s against k (the most chosen k of the trace
+  starred) over the k chosen per round (the trace, as a step plot).
 
 Titles name the model and the thread count, and say "(emulated link)" when links are emulated.
 Null or absent metrics are skipped. matplotlib is imported on first use, with the Agg backend.
@@ -252,6 +255,45 @@ def _acceptance_figure(bench: dict):
     return fig
 
 
+def _roofline_figure(bench: dict):
+    rows = [r for r in _rows(bench) if (r.get("governor_summary") or {}).get("table")]
+    rows = sorted(rows, key=lambda r: bool(r.get("compile")))[:8]
+    if not rows:
+        return None
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+    colors = _colors(bench)
+    fig, axes = plt.subplots(2, len(rows), figsize=(1.5 + 3.6 * len(rows), 7.2), squeeze=False, layout="constrained")
+    for top, bottom, row in zip(axes[0], axes[1], rows):
+        summary, color = row["governor_summary"], colors[_label(row)]
+        table = sorted((e for e in summary["table"] if isinstance(e, dict) and e.get("k") is not None
+                        and e.get("predicted_tokens_per_s") is not None), key=lambda e: e["k"])
+        ks, rates = [e["k"] for e in table], [e["predicted_tokens_per_s"] for e in table]
+        top.plot(ks, rates, marker="o", color=color)
+        trace = [k for k in summary.get("trace") or [] if k is not None]
+        if trace:
+            mode = Counter(trace).most_common(1)[0][0]
+            top.plot([k for k in ks if k == mode], [y for k, y in zip(ks, rates) if k == mode], linestyle="none",
+                     marker="*", markersize=16, color="crimson", label=f"most chosen k={mode}")
+            top.legend(fontsize=8)
+            bottom.step(range(len(trace)), trace, where="post", color=color)
+        else:
+            bottom.text(0.5, 0.5, "no trace", ha="center", va="center", transform=bottom.transAxes)
+        budget = "-" if row.get("budget") is None else _pct(row["budget"])
+        top.set_title(f"{_label(row)} ({summary.get('name') or '?'})\nbudget {budget}, link {row.get('link') or '-'}, "
+                      f"{'compiled' if row.get('compile') else 'eager'}", fontsize=9)
+        top.set_xlabel("k (draft length)")
+        bottom.set_xlabel("round")
+        bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("predicted tokens/s")
+    axes[1][0].set_ylabel("k chosen")
+    fig.suptitle(_title(bench, "governor roofline and k per round"), fontsize=11)
+    return fig
+
+
 def _stem(bench: dict) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", str(bench.get("title") or "bench")).strip("-") or "bench"
 
@@ -266,6 +308,7 @@ def plot_all(bench: dict, out_dir: Path, stem: str | None = None) -> list[Path]:
         ("hit-rate", lambda: _series_figure(bench, "expert cache hit rate", lambda r: r.get("hit_rate"))),
         ("io-wait", lambda: _series_figure(bench, "I/O wait share of decode time", lambda r: r.get("io_wait_share"))),
         ("acceptance-k", lambda: _acceptance_figure(bench)),
+        ("roofline", lambda: _roofline_figure(bench)),
     )
     written = []
     for name, draw in figures:

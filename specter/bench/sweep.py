@@ -220,6 +220,8 @@ class Sweep:
                 "lossless": (self.tokens[key] == self.reference) if greedy and self.reference is not None else None,
                 "note": meta.get("note"), "ratios": ratios,
                 "compile_stats": last.get("compile"), "offload": last.get("offload"),
+                "phases": last.get("phases"), "decode_step_s": last.get("decode_step_s"),
+                "governor_summary": last.get("governor") if meta["engine"] == "specter" else None,
             })
         return out
 

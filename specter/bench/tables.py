@@ -8,6 +8,13 @@ the budget-independent rows (those whose budget or link is null: resident, hf-of
 JSON row is exactly one table row, in JSON order within its table. Any metric may be null or
 absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. A row's ``note``
 is listed under its table.
+
+Then, when there is something to show: "Where the time goes (specter rows)", one table row per
+specter row with ``phases`` (draft step against the cell's ondemand target step, else resident's
+of the same compile mode; verification's compute per expert read against the ondemand step per
+expert read, i.e. ``decode_step_s / (top_k * n_moe_layers)``; each phase's share of the round),
+and "Governor", one row per row whose ``governor_summary`` names a governor other than ``fixed``,
+followed by the roofline table of the first such row of each (budget, link, compile) cell.
 """
 
 from __future__ import annotations
@@ -143,6 +150,101 @@ def _order(declared: Iterable, seen: Iterable) -> list:
     return order + [value for value in dict.fromkeys(seen) if value not in order]
 
 
+PHASE_COLUMNS = (
+    "label", "budget", "link", "compile", "rounds", "draft step ms", "draft / target step", "verify ms/round",
+    "verify tok/round", "distinct experts/layer", "verify ms/expert read", "single-step ms/expert read",
+    "verify / single-step", "draft share", "verify share", "host share",
+)
+GOVERNOR_COLUMNS = ("label", "cell", "k histogram", "prediction error", "probes")
+
+
+def _mul(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def _div(num: float | None, den: float | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _rows_table(columns: Iterable[str], rows: Iterable[Iterable[object]]) -> list[str]:
+    columns = list(columns)
+    return (["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+            + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows])
+
+
+def _where(row: dict) -> str:
+    budget = "-" if row.get("budget") is None else _pct(row["budget"])
+    return f"{budget} / {row.get('link') or '-'} / {'compiled' if row.get('compile') else 'eager'}"
+
+
+def phase_table(bench: dict) -> list[str]:
+    rows = bench.get("rows") or []
+    model = bench.get("model") or {}
+    top_k, layers = model.get("top_k"), model.get("n_moe_layers")
+    reads = top_k * layers if isinstance(top_k, (int, float)) and isinstance(layers, (int, float)) else None
+
+    def step(label: str, row: dict, same_cell: bool) -> float | None:
+        cell = (row.get("budget"), row.get("link"))
+        return next((o["decode_step_s"] for o in rows if (o.get("label") or o.get("engine")) == label
+                     and bool(o.get("compile")) == bool(row.get("compile")) and o.get("decode_step_s") is not None
+                     and (not same_cell or (o.get("budget"), o.get("link")) == cell)), None)
+
+    out = []
+    for row in rows:
+        phases = row.get("phases")
+        if row.get("engine") != "specter" or not isinstance(phases, dict) or not phases:
+            continue
+        target = step("ondemand", row, True)
+        target = target if target is not None else step("resident", row, False)
+        per_expert = _div(step("ondemand", row, True), reads)
+        verify_expert = phases.get("verify_compute_s_per_expert")
+        total = sum(phases.get(key) or 0.0 for key in ("draft_s", "flush_s", "verify_s", "host_s"))
+        out.append((
+            row.get("label") or row.get("engine") or "?",
+            "-" if row.get("budget") is None else _pct(row["budget"]), row.get("link") or "-",
+            "compiled" if row.get("compile") else "eager",
+            "-" if phases.get("rounds") is None else phases["rounds"],
+            _num(_mul(phases.get("draft_step_s"), 1e3), 2), _num(_div(phases.get("draft_step_s"), target), 3),
+            _num(_mul(phases.get("verify_s_per_round"), 1e3), 2), _num(phases.get("verify_tokens_per_round"), 2),
+            _num(phases.get("distinct_experts_per_layer"), 2), _num(_mul(verify_expert, 1e3), 3),
+            _num(_mul(per_expert, 1e3), 3), _ratio(_div(verify_expert, per_expert)),
+            *(_share(_div(phases.get(key), total)) for key in ("draft_s", "verify_s", "host_s")),
+        ))
+    return _rows_table(PHASE_COLUMNS, out) if out else []
+
+
+def governor_section(bench: dict) -> list[str]:
+    rows = [r for r in bench.get("rows") or [] if isinstance(r.get("governor_summary"), dict)
+            and r["governor_summary"].get("name") not in (None, "fixed")]
+    if not rows:
+        return []
+    out, tables = [], {}
+    for row in rows:
+        summary = row["governor_summary"]
+        histogram = row.get("k_histogram") or {}
+        error = summary.get("prediction_error")
+        out.append((f"{row.get('label') or row.get('engine') or '?'} ({summary['name']})", _where(row),
+                    " ".join(f"{k}:{n}" for k, n in sorted(histogram.items(), key=lambda kv: int(kv[0]))) or "-",
+                    "-" if error is None else f"{error * 100:.1f}%",
+                    "-" if summary.get("probes") is None else summary["probes"]))
+        key = (row.get("budget"), row.get("link"), bool(row.get("compile")))
+        if summary.get("table") and key not in tables:
+            tables[key] = row
+    lines = _rows_table(GOVERNOR_COLUMNS, out)
+    for row in tables.values():
+        entries = [e for e in row["governor_summary"]["table"] if isinstance(e, dict)]
+        lines += ["", f"Roofline table of {row.get('label') or row.get('engine') or '?'} ({_where(row)}):", ""]
+        lines += _rows_table(("k", "expected accepted", "predicted round ms", "predicted tok/s"), (
+            ("-" if e.get("k") is None else e["k"], _num(e.get("expected_accepted"), 2),
+             _num(_mul(e.get("predicted_round_s"), 1e3), 2), _num(e.get("predicted_tokens_per_s"), 2))
+            for e in entries))
+    return lines
+
+
 def markdown(bench: dict) -> str:
     rows = bench.get("rows") or []
     cell_rows = [r for r in rows if r.get("budget") is not None and r.get("link") is not None]
@@ -159,4 +261,8 @@ def markdown(bench: dict) -> str:
                           + (" (EMULATED)" if emulated else ""), ""] + table(cell)
     if independent:
         lines += ["", "### budget-independent", ""] + table(independent, independent=True)
+    for title, section in (("Where the time goes (specter rows)", phase_table(bench)),
+                           ("Governor", governor_section(bench))):
+        if section:
+            lines += ["", f"### {title}", ""] + section
     return "\n".join(lines) + "\n"

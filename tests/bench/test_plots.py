@@ -8,7 +8,7 @@ from specter.bench import plots
 from specter.bench.plots import main, plot_all
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-NAMES = ("tokens", "ratio-heatmap", "hit-rate", "io-wait", "acceptance-k")
+NAMES = ("tokens", "ratio-heatmap", "hit-rate", "io-wait", "acceptance-k", "roofline")
 
 
 def _check_png(path):
@@ -124,5 +124,41 @@ def test_missing_optional_figures(bench, tmp_path, variant):
     names = {p.name for p in paths}
     if variant == "no-specter":
         assert "bench-proxy-acceptance-k.png" not in names and "bench-proxy-ratio-heatmap.png" not in names
+        assert "bench-proxy-roofline.png" not in names
     else:
         assert "bench-proxy-tokens.png" in names
+
+
+def test_roofline_panels_cap_at_eight_eager_first(bench):
+    extra = [dict(r, budget=b) for b in (0.5, 0.75) for r in bench["rows"] if r["label"] == "specter roofline"]
+    bench["rows"] += extra
+    fig = plots._roofline_figure(bench)
+    try:
+        titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+        assert len(fig.axes) == 16 and len(titles) == 8
+        assert sum("eager" in t for t in titles) == 6 and all("specter roofline (roofline)" in t for t in titles)
+        assert "budget 25%, link slow, eager" in titles[0]
+        starred = [line for line in fig.axes[0].get_lines() if line.get_label() == "most chosen k=3"]
+        assert len(starred) == 1 and list(starred[0].get_xdata()) == [3]
+    finally:
+        plots._pyplot().close(fig)
+
+
+def test_roofline_absent_without_tables(bench, tmp_path):
+    for row in bench["rows"]:
+        if row.get("governor_summary"):
+            row["governor_summary"] = {"name": "fixed"}
+    names = [p.name for p in plot_all(bench, tmp_path)]
+    assert "bench-proxy-roofline.png" not in names and len(names) == len(NAMES) - 1
+
+
+def test_roofline_tolerates_missing_fields(bench, tmp_path):
+    summaries = [r["governor_summary"] for r in bench["rows"] if r["label"] == "specter roofline"]
+    summaries[0].pop("trace")
+    summaries[1]["trace"] = [None, 2, None]
+    summaries[2]["table"][3]["predicted_tokens_per_s"] = None
+    summaries[2]["table"][4].pop("k")
+    bench["rows"][0]["governor_summary"] = None
+    paths = plot_all(bench, tmp_path, stem="x")
+    assert tmp_path / "x-roofline.png" in paths
+    _check_png(tmp_path / "x-roofline.png")

@@ -15,7 +15,9 @@ def bench(**sweep) -> dict:
 def test_a_plain_run_recipe_is_one_cell_with_the_default_engines():
     spec = load_bench("recipes/specter.yaml")
     assert spec.engines == DEFAULT_ENGINES
-    assert spec.budgets == (0.5,) and list(spec.links) == ["auto"] and spec.k == (4,) and spec.compile == (False,)
+    assert spec.budgets == (0.5,) and list(spec.links) == ["auto"] and spec.compile == (False,)
+    assert spec.k == () and spec.governors == ("roofline",)  # the recipe's own governor
+    assert load_bench("recipes/specter.yaml", ["speculation.governor.name=fixed"]).k == (4,)
     assert spec.title == "specter"
 
 

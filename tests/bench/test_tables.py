@@ -1,4 +1,4 @@
-from specter.bench.tables import COLUMNS, markdown
+from specter.bench.tables import COLUMNS, GOVERNOR_COLUMNS, PHASE_COLUMNS, markdown
 
 
 def _sections(text: str) -> dict[str, list[str]]:
@@ -23,12 +23,17 @@ def _find(rows: list[list[str]], label: str, mode: str = "eager") -> list[str]:
     return matches[0]
 
 
+EXTRA = ("Where the time goes (specter rows)", "Governor")
+
+
 def test_one_table_row_per_json_row(bench):
     text = markdown(bench)
-    rows = [row for lines in _sections(text).values() for row in _data_rows(lines)]
+    sections = {name: lines for name, lines in _sections(text).items() if name not in EXTRA}
+    rows = [row for lines in sections.values() for row in _data_rows(lines)]
     assert len(rows) == len(bench["rows"])
     assert all(len(row) == len(COLUMNS) for row in rows)
-    assert text.count("| engine |") == len(_sections(text)) == 2 * 2 + 1
+    assert text.count("| engine |") == len(sections) == 2 * 2 + 1
+    assert list(_sections(text))[-2:] == list(EXTRA)
 
 
 def test_header_states_workload_and_emulated_links(bench):
@@ -81,7 +86,8 @@ def test_budget_independent_rows_and_notes(bench):
 def test_nulls_render_as_dash_and_sparse_bench_renders(sparse_bench):
     text = markdown(sparse_bench)
     sections = _sections(text)
-    assert list(sections) == ["budget 50% of experts, link `slow` (EMULATED)", "budget-independent"]
+    assert list(sections) == ["budget 50% of experts, link `slow` (EMULATED)", "budget-independent", EXTRA[0]]
+    assert len(_phase_rows(text)) == 2
     rows = _data_rows(sections["budget 50% of experts, link `slow` (EMULATED)"])
     assert len(rows) == 5
     missing = _find(rows, "specter k=4")
@@ -95,3 +101,89 @@ def test_minimal_bench_does_not_crash():
     assert "specter \\| x" in text
     assert "### budget 12.5% of experts, link `pcie`" in text
     assert markdown({}).startswith("## bench\n")
+
+
+def _phase_rows(text: str) -> list[list[str]]:
+    lines = [line for line in _sections(text)["Where the time goes (specter rows)"] if line.startswith("| ")]
+    assert lines[0] == "| " + " | ".join(PHASE_COLUMNS) + " |"
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[1:]]
+
+
+def _phase_row(rows: list[list[str]], label: str, budget: str, link: str, mode: str = "eager") -> list[str]:
+    matches = [row for row in rows if row[:4] == [label, budget, link, mode]]
+    assert len(matches) == 1, (label, budget, link, mode, rows)
+    return matches[0]
+
+
+def test_where_the_time_goes(bench):
+    rows = _phase_rows(markdown(bench))
+    assert len(rows) == sum(r["engine"] == "specter" for r in bench["rows"])
+    assert all(len(row) == len(PHASE_COLUMNS) for row in rows)
+    row = _phase_row(rows, "specter k=4", "25%", "slow")
+    ondemand = next(r for r in bench["rows"] if r["label"] == "ondemand" and r["budget"] == 0.25
+                    and r["link"] == "slow" and not r["compile"])
+    assert ondemand["decode_step_s"] == 1 / 12.5
+    single_ms = ondemand["decode_step_s"] / (2 * 4) * 1e3  # top-2 x 4 MoE layers
+    assert row[4:6] == ["50", "5.00"]
+    assert row[6] == f"{0.005 / ondemand['decode_step_s']:.3f}"
+    assert row[7:11] == ["50.00", "4.80", "4.50", "2.000"]
+    assert row[11] == f"{single_ms:.3f}" == "10.000"
+    assert row[12] == "0.20x"
+    assert row[13:] == ["25.0%", "62.5%", "10.0%"]
+    compiled = _phase_row(rows, "specter roofline", "25%", "fast", "compiled")
+    assert compiled[12] == f"{2.0 / (1e3 / (10.0 * 1.5 * 1.25 * 1.1) / 8):.2f}x"
+
+
+def test_where_the_time_goes_falls_back_to_resident(bench):
+    bench["rows"] = [r for r in bench["rows"] if not (r["label"] == "ondemand" and r["link"] == "slow")]
+    row = _phase_row(_phase_rows(markdown(bench)), "specter k=2", "50%", "slow", "compiled")
+    assert row[6] == f"{0.005 / (1 / 36.0):.3f}" == "0.180"
+    assert row[11:13] == ["-", "-"]
+
+
+def test_governor_section(bench):
+    lines = _sections(markdown(bench))["Governor"]
+    assert lines[1] == "| " + " | ".join(GOVERNOR_COLUMNS) + " |"
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines
+            if line.startswith("| specter")]
+    assert rows[0] == ["specter roofline (roofline)", "25% / slow / eager", "0:1 1:1 2:2 3:6 4:2", "9.0%", "5"]
+    assert len(rows) == 4 and {row[1] for row in rows} == {f"25% / {link} / {mode}" for link in ("slow", "fast")
+                                                           for mode in ("eager", "compiled")}
+    captions = [line for line in lines if line.startswith("Roofline table of")]
+    assert captions[0] == "Roofline table of specter roofline (25% / slow / eager):" and len(captions) == 4
+    first = lines[lines.index(captions[0]):]
+    k3 = next(line for line in first if line.startswith("| 3 |"))
+    accepted = 4 * (1 - 0.8**3)
+    assert k3 == f"| 3 | {accepted:.2f} | 86.00 | {(1 + accepted) / 0.086:.2f} |"
+    assert sum(line.startswith("| ") and line[2].isdigit() for line in first[:14]) == 9
+
+
+def test_extra_sections_skipped_when_empty(sparse_bench):
+    for row in sparse_bench["rows"]:
+        row.pop("phases", None)
+    assert not set(EXTRA) & set(_sections(markdown(sparse_bench)))
+
+
+def test_extra_sections_tolerate_missing_fields(bench):
+    rows = bench["rows"]
+    bench.pop("model")
+    specter = [r for r in rows if r["engine"] == "specter"]
+    specter[0]["phases"] = None
+    specter[1]["phases"] = {"rounds": 3}
+    specter[2]["phases"] = {"draft_step_s": 0.01, "draft_s": 0.0}
+    roofline = [r for r in rows if r["label"] == "specter roofline"]
+    roofline[0]["governor_summary"] = {"name": "roofline"}
+    roofline[1]["governor_summary"]["table"] = [{"k": 0}, {}, "junk"]
+    roofline[1].pop("k_histogram")
+    roofline[1]["governor_summary"].pop("prediction_error")
+    for row in rows:
+        row.pop("decode_step_s", None)
+    text = markdown(bench)
+    phase_rows = _phase_rows(text)
+    assert len(phase_rows) == len(specter) - 1
+    assert phase_rows[0][4:] == ["3"] + ["-"] * 11
+    assert all(row[6] == "-" and row[11] == "-" for row in phase_rows)
+    governor = _sections(text)["Governor"]
+    assert "| specter roofline (roofline) | 25% / fast / eager | - | - | 5 |" in governor
+    assert "Roofline table of specter roofline (25% / fast / eager):" in governor
+    assert "| 0 | - | - | - |" in governor and "| - | - | - | - |" in governor
