@@ -10,9 +10,10 @@ absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. 
 is listed under its table.
 
 Then, when there is something to show: "Where the time goes (specter rows)", one table row per
-specter row with ``phases`` (draft step against the cell's ondemand target step, else resident's
-of the same compile mode; verification's compute per expert read against the ondemand step per
-expert read, i.e. ``decode_step_s / (top_k * n_moe_layers)``; each phase's share of the round),
+specter row with ``phases`` (draft step against resident's target step of the same compile mode,
+a step with no transfer in it, else the cell's ondemand step; verification's compute per expert
+read against that step per expert read, i.e. ``decode_step_s / (top_k * n_moe_layers)``; each
+phase's share of the round),
 and "Governor", one row per row whose ``governor_summary`` names a governor other than ``fixed``,
 followed by the roofline table of the first such row of each (budget, link, compile) cell.
 """
@@ -198,9 +199,9 @@ def phase_table(bench: dict) -> list[str]:
         phases = row.get("phases")
         if row.get("engine") != "specter" or not isinstance(phases, dict) or not phases:
             continue
-        target = step("ondemand", row, True)
-        target = target if target is not None else step("resident", row, False)
-        per_expert = _div(step("ondemand", row, True), reads)
+        target = step("resident", row, False)  # a target step with no transfer in it
+        target = target if target is not None else step("ondemand", row, True)
+        per_expert = _div(target, reads)
         verify_expert = phases.get("verify_compute_s_per_expert")
         total = sum(phases.get(key) or 0.0 for key in ("draft_s", "flush_s", "verify_s", "host_s"))
         out.append((

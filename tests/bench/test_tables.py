@@ -120,25 +120,26 @@ def test_where_the_time_goes(bench):
     assert len(rows) == sum(r["engine"] == "specter" for r in bench["rows"])
     assert all(len(row) == len(PHASE_COLUMNS) for row in rows)
     row = _phase_row(rows, "specter k=4", "25%", "slow")
-    ondemand = next(r for r in bench["rows"] if r["label"] == "ondemand" and r["budget"] == 0.25
-                    and r["link"] == "slow" and not r["compile"])
-    assert ondemand["decode_step_s"] == 1 / 12.5
-    single_ms = ondemand["decode_step_s"] / (2 * 4) * 1e3  # top-2 x 4 MoE layers
+    resident = next(r for r in bench["rows"] if r["label"] == "resident" and not r["compile"])
+    assert resident["decode_step_s"] == 1 / 30.0  # the target step: no transfer in it
+    single_ms = resident["decode_step_s"] / (2 * 4) * 1e3  # top-2 x 4 MoE layers
     assert row[4:6] == ["50", "5.00"]
-    assert row[6] == f"{0.005 / ondemand['decode_step_s']:.3f}"
+    assert row[6] == f"{0.005 / resident['decode_step_s']:.3f}" == "0.150"
     assert row[7:11] == ["50.00", "4.80", "4.50", "2.000"]
-    assert row[11] == f"{single_ms:.3f}" == "10.000"
-    assert row[12] == "0.20x"
+    assert row[11] == f"{single_ms:.3f}" == "4.167"
+    assert row[12] == "0.48x"
     assert row[13:] == ["25.0%", "62.5%", "10.0%"]
     compiled = _phase_row(rows, "specter roofline", "25%", "fast", "compiled")
-    assert compiled[12] == f"{2.0 / (1e3 / (10.0 * 1.5 * 1.25 * 1.1) / 8):.2f}x"
+    assert compiled[12] == f"{2.0 / (1e3 / 36.0 / 8):.2f}x" == "0.58x"
 
 
-def test_where_the_time_goes_falls_back_to_resident(bench):
-    bench["rows"] = [r for r in bench["rows"] if not (r["label"] == "ondemand" and r["link"] == "slow")]
-    row = _phase_row(_phase_rows(markdown(bench)), "specter k=2", "50%", "slow", "compiled")
-    assert row[6] == f"{0.005 / (1 / 36.0):.3f}" == "0.180"
-    assert row[11:13] == ["-", "-"]
+def test_where_the_time_goes_falls_back_to_the_cells_ondemand(bench):
+    bench["rows"] = [r for r in bench["rows"] if r["label"] != "resident"]
+    row = _phase_row(_phase_rows(markdown(bench)), "specter k=4", "25%", "slow")
+    assert row[6] == f"{0.005 * 12.5:.3f}" and row[11] == f"{1 / 12.5 / 8 * 1e3:.3f}"
+    bench["rows"] = [r for r in bench["rows"] if r["label"] != "ondemand"]
+    row = _phase_row(_phase_rows(markdown(bench)), "specter k=4", "25%", "slow")
+    assert row[6] == "-" and row[11:13] == ["-", "-"]
 
 
 def test_governor_section(bench):
