@@ -26,7 +26,8 @@ Contract:
     when resident), then a compiled final norm + LM head. Prefill (T > ``fused_max_tokens``, or
     any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
     (for predictors that must act between layers, e.g. router lookahead). For cache target
-    steps a ``PathChooser`` measures both paths per width and takes the faster one.
+    steps, and for draft steps (fused INT4 gather against compiled attention + the eager grouped
+    INT4 experts), a ``PathChooser`` measures both paths and takes the faster one.
 - After a fused step the host replays, per layer in order, what the eager path does inside the
   step: the runtime's observers get (layer, expert input, top_k_index, top_k_weights, mode) and,
   for a cache target step, ``cache.acquire`` + ``release`` of the layer's experts keep the cache
@@ -62,6 +63,7 @@ from specter.kernels.slot_experts import gather_experts, slots_for
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe")
 DEFAULT_MAX_LEN = 2048
+DRAFT_KEY = 0  # the PathChooser's key for draft steps (target steps are keyed by their width >= 1)
 HostExperts = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (row, x [T,H], index [T,k], weights [T,k])
 
 
@@ -279,7 +281,8 @@ class DraftExperts:
 
 
 class PathChooser:
-    """Picks the faster path (``fused`` or ``layered``) for cache target steps of each width by
+    """Picks the faster path (``fused`` or ``layered``) for draft steps and for cache target steps
+    of each width by
     measuring both: a fused cache step waits for every transfer in flight and reruns layered when
     an expert is missing, and reads experts per (token, slot) pair, while the layered path
     overlaps transfers with earlier layers and reads each distinct expert once; which wins
@@ -523,10 +526,19 @@ class CompiledDecoder:
     def _run_draft(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self._draft_experts is None:
             raise SpecterError("compile: draft mode without draft experts (CompiledDecoder.set_draft)")
-        out = self._call_fused(self._draft_step, tokens, positions, kv_index, kv)
         self.stats.draft_steps += 1
-        self._replay(out, "draft")
-        return out.logits
+        path = self.chooser.choose(DRAFT_KEY)
+        started = time.perf_counter()
+        if path == "layered":  # compiled attention, the INT4 experts eagerly (grouped, no weight copies)
+            logits = self._layered_logits(tokens, positions, kv_index, kv, host=self.host_experts)
+        else:
+            out = self._call_fused(self._draft_step, tokens, positions, kv_index, kv)
+            self._replay(out, "draft")
+            logits = out.logits
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.chooser.observe(DRAFT_KEY, path, time.perf_counter() - started)
+        return logits
 
     def _run_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is None:

@@ -47,23 +47,27 @@ class GenerationMetrics:
         self.k_histogram[k] += 1
 
     def observe_round(self, *, draft_s: float, flush_s: float, verify_s: float, host_s: float, total_s: float,
-                      draft_steps: int, verify_tokens: int, experts_read: int, verify_io_wait_s: float) -> None:
-        """Phase timings of one speculation round: drafting, flushing prefetches, the verification
-        forward (its transfer wait included: ``verify_io_wait_s``), and the rest (host work)."""
+                      draft_steps: int, verify_tokens: int, experts_read: int, verify_io_wait_s: float,
+                      draft_issue_s: float = 0.0) -> None:
+        """Phase timings of one speculation round: drafting (``draft_issue_s`` of it spent issuing
+        prefetches: a synchronous link copies there), flushing prefetches, the verification forward
+        (its transfer wait included: ``verify_io_wait_s``), and the rest (host work)."""
         self.phases.update(rounds=1, draft_s=draft_s, flush_s=flush_s, verify_s=verify_s, host_s=host_s,
                            round_s=total_s, draft_steps=draft_steps, verify_tokens=verify_tokens,
-                           experts_read=experts_read, verify_io_wait_s=verify_io_wait_s)
+                           experts_read=experts_read, verify_io_wait_s=verify_io_wait_s, draft_issue_s=draft_issue_s)
 
     def phase_report(self, moe_layers: int) -> dict | None:
-        """Totals and per-round means of the phases, the draft step's mean time and the verification's
-        time per distinct (layer, expert) it read; None when no round was observed."""
+        """Totals and per-round means of the phases, the draft step's mean time (prefetch issuing
+        excluded) and the verification's compute time per distinct (layer, expert) it read (its
+        transfer wait excluded); None when no round was observed."""
         p = self.phases
         if not p.get("rounds"):
             return None
         rounds = p["rounds"]
-        out = {name: p.get(name, 0) for name in ("rounds", "draft_s", "flush_s", "verify_s", "host_s", "draft_steps",
-                                                   "verify_tokens", "experts_read", "verify_io_wait_s")}
-        out["draft_step_s"] = p["draft_s"] / p["draft_steps"] if p.get("draft_steps") else None
+        out = {name: p.get(name, 0) for name in ("rounds", "draft_s", "draft_issue_s", "flush_s", "verify_s", "host_s",
+                                                   "draft_steps", "verify_tokens", "experts_read", "verify_io_wait_s")}
+        draft_compute = p["draft_s"] - p.get("draft_issue_s", 0)
+        out["draft_step_s"] = draft_compute / p["draft_steps"] if p.get("draft_steps") else None
         out["verify_s_per_round"] = p["verify_s"] / rounds
         out["verify_tokens_per_round"] = p["verify_tokens"] / rounds
         out["distinct_experts_per_layer"] = p["experts_read"] / rounds / moe_layers if moe_layers else None

@@ -24,6 +24,7 @@ pass needs; the cache policy also receives the ordered buffer as hints.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -58,6 +59,7 @@ class PrefetchScheduler:
         self._pending: dict[ExpertKey, float] = {}
         self._active = False
         self._frontier = -1  # the MoE layer verification has reached this round
+        self.issue_s = 0.0  # seconds spent issuing prefetches (a synchronous link copies here)
 
     def begin_round(self) -> None:
         self._predicted.clear()
@@ -99,7 +101,10 @@ class PrefetchScheduler:
             if self.cache.contains(key):
                 del self._pending[key]
                 continue
-            if self.cache.prefetch(key[0], key[1], self._predicted[key]):
+            started = time.perf_counter()
+            placed = self.cache.prefetch(key[0], key[1], self._predicted[key])
+            self.issue_s += time.perf_counter() - started
+            if placed:
                 del self._pending[key]
                 issued += 1
         return issued

@@ -179,7 +179,9 @@ class SpecterEngine(PrefetchingEngine):
             base_length = kv.get_seq_length()
             self._plain_round = k == 0
             self.begin_round()
+            issue_before = self.scheduler.issue_s
             drafted, draft_probs = self._draft_tokens(token, k, kv, generator, prompt_ids + new_tokens)
+            draft_issue_s = self.scheduler.issue_s - issue_before
             k = len(drafted)
             crop_to(kv, base_length)
             synchronize(self.device)
@@ -215,6 +217,7 @@ class SpecterEngine(PrefetchingEngine):
             draft_steps = 0 if proposed else k + (1 if self.lookahead_last and k else 0)
             timings = dict(draft_s=drafted_at - started, flush_s=flushed_at - drafted_at,
                            verify_s=verified_at - flushed_at, draft_steps=draft_steps, experts_read=experts_read,
+                           draft_issue_s=draft_issue_s,
                            verify_io_wait_s=self.cache.stats.transfer_wait_s - wait_before)
             timings["host_s"] = total - timings["draft_s"] - timings["flush_s"] - timings["verify_s"]
             metrics.observe_round(total_s=total, verify_tokens=k + 1, **timings)

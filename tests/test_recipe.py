@@ -205,9 +205,11 @@ def test_resolved_device():
 
 def test_model_must_be_bundled_or_a_directory(tmp_path):
     assert error_of({"model": "/x"}) == (
-        "model: no such directory: /x; use a local Hugging Face checkpoint directory or bundled:tiny-moe"
+        "model: no such directory: /x; use a local Hugging Face checkpoint directory or "
+        "bundled:NAME (tiny-moe, tiny-moe-x{m} (m a power of two, e.g. tiny-moe-x16))"
     )
-    assert error_of({"model": "bundled:nope"}).startswith("model: unknown bundled model 'nope'; allowed: bundled:tiny-moe")
+    assert error_of({"model": "bundled:nope"}).startswith(
+        "model: unknown bundled model 'nope'; allowed: bundled:NAME with NAME one of tiny-moe, tiny-moe-x{m}")
     assert load_recipe({"model": str(tmp_path)}).model_path() == tmp_path
     assert load_recipe({}).model_path() == BUNDLED_MODELS["tiny-moe"]
 
@@ -352,7 +354,7 @@ def test_unknown_governor_is_reported_for_the_specter_engine():
     }
     with pytest.raises(UnknownPluginError) as caught:
         load_recipe(raw)
-    assert str(caught.value) == "speculation.governor.name: unknown governor 'nope'; known: fixed"
+    assert str(caught.value) == "speculation.governor.name: unknown governor 'nope'; known: fixed, roofline"
     raw["speculation"]["governor"]["name"] = "fixed"
     assert load_recipe(raw).speculation.governor.name == "fixed"
 

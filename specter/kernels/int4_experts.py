@@ -10,7 +10,8 @@ Contract:
   included), ``act_fn`` and ``post_expert_norm``; no other tensor is copied.
 - ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` in hidden's
   dtype: transformers' expert math (``batched_mm_experts_forward``) with INT4 matmuls. Eagerly,
-  tokens are grouped by expert (one matmul per expert hit, ``forward_grouped``). Under
+  tokens are grouped by expert (one matmul per expert hit, ``forward_grouped``); a single token
+  (a draft step) runs its k experts directly (``forward_one_token``). Under
   torch.compile ``forward`` takes ``forward_static`` (no data-dependent Python, fixed shapes,
   ``fullgraph=True`` works), which picks by shape: ``forward_gather`` (the chosen experts' packed
   weights gathered by index, a copy each; one single-row matmul pair per (token, slot)) when
@@ -122,8 +123,22 @@ class Int4Experts:
         weighted = expert_out * top_k_weights.reshape(-1, 1).to(expert_out.dtype)  # [S, H]
         return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(dtype)  # [T, H]
 
+    def forward_one_token(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """Eager path of a single token (every draft step): its k experts one after the other, no
+        sorting or scatter; the same arithmetic as ``forward_grouped``."""
+        out = None
+        for slot, expert in enumerate(top_k_index[0].tolist()):
+            y = self._expert(expert, hidden)  # [1, H]
+            if self.post_norm is not None:
+                y = self.post_norm(y)
+            weighted = y.float() * top_k_weights[0, slot].float()
+            out = weighted if out is None else out + weighted
+        return out.to(hidden.dtype)  # [1, H]
+
     def forward_grouped(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Eager path: the (token, slot) pairs sorted by expert, one matmul per expert hit."""
+        if hidden.shape[0] == 1:
+            return self.forward_one_token(hidden, top_k_index, top_k_weights)
         top_k = top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)  # [S]
         order = torch.argsort(expert_ids, stable=True)  # [S]
