@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specter.governors import MAX_K, FixedGovernor, Governor, check_observation
-from specter.plugins import registry, reset_plugins
+from specter.hookspecs import hookimpl
+from specter.plugins import register_plugin, registry, reset_plugins
 
 
 @pytest.fixture(autouse=True)
@@ -43,3 +44,75 @@ def test_fixed_governor_is_registered_and_created_with_k_from_the_engine():
     assert registry().get("governor", "fixed") is FixedGovernor
     governor = registry().create("governor", "fixed", {}, key="speculation.governor", k=MAX_K)
     assert governor.next_k() == MAX_K
+
+
+class RecordingGovernor(Governor):
+    """A third-party governor: returns a scripted k per round and records what it observes."""
+
+    name = "recording"
+
+    def __init__(self, script=(2, 0, 3), k: int = 4) -> None:
+        self.script, self.calls, self.observed = list(script), 0, []
+
+    def next_k(self):
+        k = self.script[self.calls % len(self.script)]
+        self.calls += 1
+        return k
+
+    def observe(self, drafted: int, accepted: int, **timings: float) -> None:
+        self.observed.append((drafted, accepted, timings))
+
+
+class GovernorPlugins:
+    def __init__(self, governor) -> None:
+        self.governor = governor
+
+    @hookimpl
+    def register_governors(self, register) -> None:
+        register("recording", lambda k: self.governor)
+
+
+def run_specter(checkpoint, governor_name="recording", tokens=12):
+    import specter
+
+    engine = specter.load({"model": str(checkpoint), "engine": "specter", "max_new_tokens": tokens, "threads": 1,
+                           "offload": {"link": {"kind": "local"}, "expert_budget": 0.5},
+                           "speculation": {"governor": {"name": governor_name}}})
+    return engine, engine.generate([[1, 17, 93, 4, 250, 31]])
+
+
+def test_third_party_governor_gets_the_round_timings_and_k_zero_decodes_plainly(tiny_mixtral):
+    governor = RecordingGovernor()
+    register_plugin(GovernorPlugins(governor))
+    engine, result = run_specter(tiny_mixtral)
+    assert governor.observed and all(0 <= a <= d for d, a, _ in governor.observed)
+    drafted, _, timings = governor.observed[0]
+    assert drafted == 2
+    for name in ("draft_s", "draft_issue_s", "flush_s", "verify_s", "verify_io_wait_s", "host_s", "round_s",
+                 "draft_steps", "experts_read"):
+        assert name in timings and timings[name] >= 0, name
+    assert timings["round_s"] >= timings["draft_s"] + timings["verify_s"]
+    plain = [t for d, _, t in governor.observed if d == 0]
+    assert plain and all(t["draft_steps"] == 0 for t in plain)
+    assert result.report["k"]["histogram"].get("0")
+    assert result.report["governor"] == {"name": "recording"}
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_K + 1, 2.5, None])
+def test_a_governor_returning_a_bad_k_stops_the_run_naming_it(tiny_mixtral, bad):
+    from specter.errors import SpecterError
+
+    register_plugin(GovernorPlugins(RecordingGovernor(script=(bad,))))
+    with pytest.raises(SpecterError, match=r"governor 'recording' returned k="):
+        run_specter(tiny_mixtral)
+
+
+def test_roofline_governor_is_lossless_and_reports_its_table(tiny_mixtral):
+    import specter
+
+    engine, result = run_specter(tiny_mixtral, "roofline", tokens=24)
+    resident = specter.load({"model": str(tiny_mixtral), "engine": "resident", "max_new_tokens": 24, "threads": 1})
+    assert result.token_ids == resident.generate([[1, 17, 93, 4, 250, 31]]).token_ids
+    summary = result.report["governor"]
+    assert summary["name"] == "roofline" and len(summary["table"]) == summary["k_max"] + 1
+    assert len(summary["trace"]) == result.report["phases"]["rounds"]

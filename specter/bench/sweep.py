@@ -180,7 +180,7 @@ class Sweep:
                     self._run_cell(cell, budget, link, compile, scopes)
                 for engine in [*group.values(), *([hf] if hf is not None else [])]:
                     engine.close()
-                del group, hf
+                del group, hf, cell  # every reference, before the next budget's engines load
                 gc.collect()
             if resident is not None:
                 resident.close()

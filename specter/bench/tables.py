@@ -102,7 +102,7 @@ def table(rows: Iterable[dict], independent: bool = False) -> list[str]:
     rows = list(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     lines += [table_row(row, independent) for row in rows]
-    notes = [(row.get("label") or row.get("engine") or "?", row["note"]) for row in rows if row.get("note")]
+    notes = list(dict.fromkeys((row.get("label") or row.get("engine") or "?", row["note"]) for row in rows if row.get("note")))
     if notes:
         lines += [""] + [f"- {_cell(label)}: {_cell(note)}" for label, note in notes]
     return lines
