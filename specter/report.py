@@ -108,6 +108,13 @@ def _fmt(value, spec: str = ".3g") -> str:
     return str(value)
 
 
+def _governor_text(governor: dict | None) -> str:
+    if not governor:
+        return "-"
+    error = governor.get("prediction_error")
+    return f"{governor.get('name')}" + ("" if error is None else f" ({error:.1%})")
+
+
 def format_summary(report: dict) -> str:
     budget = report.get("expert_budget") or {}
     link = report.get("link") or {}
@@ -133,6 +140,7 @@ def format_summary(report: dict) -> str:
                                                   f"{_fmt(report['mean_accepted_per_step'])} / "
                                                   f"{_fmt((report['k'] or {}).get('mean'))}"),
         ("prefetch precision", _fmt(report["prefetch_precision"])),
+        ("governor (round-time prediction error)", _governor_text(report.get("governor"))),
         ("lossless (vs resident greedy)", _fmt(report["lossless"])),
     ]
     compiled = report.get("compile")
