@@ -32,7 +32,7 @@ from specter.generate import crop_to, synchronize
 from specter.governors import check_next_k
 from specter.kernels.int4_experts import Int4Experts
 from specter.predictors.router_lookahead import RouterLookaheadPredictor
-from specter.sampling import logits_to_probs, sample
+from specter.sampling import logits_to_probs
 from specter.scheduler import PrefetchScheduler
 
 
