@@ -1,7 +1,8 @@
 """Compile-native decoding: the model's step functions as plain functions compiled once.
 
 Contract:
-- ``unsupported_reason(model) -> str | None``: why a model cannot be compiled here (None: it can).
+- ``unsupported_reason(model) -> str | None`` (from ``specter.decoder_math``, which holds the
+  model math these graphs trace): why a model cannot be compiled here (None: it can).
   Supported: every decoder layer is llama-style attention (optional biases, optional per-head q/k
   RMSNorm, default RoPE, optional sliding window) followed by gated routed experts ([out, in], no
   bias) behind a softmax top-k router: Mixtral, and Qwen3-MoE without dense layers.
@@ -58,44 +59,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
+from specter.decoder_math import (
+    arch_of, attention_and_route, layer_weights_of, linear, rms_norm, rope_tables, unsupported_reason,
+)
 from specter.errors import SpecterError
 from specter.kernels.slot_experts import gather_experts, slots_for
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe")
 DEFAULT_MAX_LEN = 2048
 DRAFT_KEY = 0  # the PathChooser's key for draft steps (target steps are keyed by their width >= 1)
 HostExperts = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (row, x [T,H], index [T,k], weights [T,k])
-
-
-@dataclasses.dataclass(frozen=True)
-class Arch:
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    eps: float
-    scaling: float
-    rope_scaling: float
-    sliding_window: int | None
-    top_k: int
-    renormalize: bool  # top-k weights divided by their sum
-    float_scores: bool  # Mixtral keeps router weights in float32; Qwen3-MoE casts to the logits' dtype
-
-
-@dataclasses.dataclass
-class LayerWeights:
-    input_norm: Tensor
-    post_norm: Tensor
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    o: Tensor
-    q_bias: Tensor | None
-    k_bias: Tensor | None
-    v_bias: Tensor | None
-    o_bias: Tensor | None
-    q_norm: Tensor | None
-    k_norm: Tensor | None
-    router: Tensor  # [E, H]
 
 
 @dataclasses.dataclass
@@ -109,136 +81,6 @@ class CompileStats:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type {config.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        return f"rope type {rope.get('rope_type')!r} (supported: default)"
-    for index, layer in enumerate(model.model.layers):
-        mlp = getattr(layer, "mlp", None)
-        experts = getattr(mlp, "experts", None)
-        if experts is None or not hasattr(mlp, "gate"):
-            return f"decoder layer {index} has no routed experts (dense layers are not supported)"
-        if not experts.has_gate or experts.is_transposed or experts.has_bias:
-            return f"decoder layer {index}: only gated [out, in] experts without bias are supported"
-        if getattr(experts, "has_post_expert_norm", False):
-            return f"decoder layer {index}: post-expert norm is not supported"
-    return None
-
-
-def _arch(model: nn.Module) -> Arch:
-    config = model.config
-    attention = model.model.layers[0].self_attn
-    router = model.model.layers[0].mlp.gate
-    return Arch(
-        n_heads=config.num_attention_heads,
-        n_kv_heads=config.num_key_value_heads,
-        head_dim=attention.head_dim,
-        eps=config.rms_norm_eps,
-        scaling=attention.scaling,
-        rope_scaling=float(model.model.rotary_emb.attention_scaling),
-        sliding_window=getattr(config, "sliding_window", None),
-        top_k=router.top_k,
-        renormalize=bool(getattr(router, "norm_topk_prob", True)),
-        float_scores=config.model_type == "mixtral",
-    )
-
-
-def _layer_weights(layer: nn.Module) -> LayerWeights:
-    attention = layer.self_attn
-    q_norm = getattr(attention, "q_norm", None)
-    k_norm = getattr(attention, "k_norm", None)
-    return LayerWeights(
-        input_norm=layer.input_layernorm.weight,
-        post_norm=layer.post_attention_layernorm.weight,
-        q=attention.q_proj.weight, k=attention.k_proj.weight,
-        v=attention.v_proj.weight, o=attention.o_proj.weight,
-        q_bias=attention.q_proj.bias, k_bias=attention.k_proj.bias,
-        v_bias=attention.v_proj.bias, o_bias=attention.o_proj.bias,
-        q_norm=q_norm.weight if q_norm is not None else None,
-        k_norm=k_norm.weight if k_norm is not None else None,
-        router=layer.mlp.gate.weight,
-    )
-
-
-# ----- the model's math: plain functions, traced by dynamo ---------------------------------------
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear`` on ``x [T, K]``; a single row on CPU is written as multiply-and-sum, which
-    inductor turns into a GEMV loop fused with its neighbours: 1.8x faster than the BLAS call
-    inside a compiled graph (one thread; the 256-wide projections and the 4096x256 LM head).
-    For T > 1 the same form measured faster in isolation up to T = 9 but slower inside the full
-    step (inductor fused it into large kernels), so T > 1 keeps BLAS."""
-    if x.shape[0] == 1 and x.device.type == "cpu":
-        y = (x[:, None, :] * weight[None]).sum(-1)  # [1, N]
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def rope_tables(inv_freq: Tensor, positions: Tensor, scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    freqs = positions[:, None].float() * inv_freq[None, :].float()  # [T, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-    cos = (emb.cos() * scaling).to(dtype)[:, None, :]  # [T, 1, d]
-    sin = (emb.sin() * scaling).to(dtype)[:, None, :]  # [T, 1, d]
-    return cos, sin
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, n, d]
-    return x * cos + rotated * sin
-
-
-def route(arch: Arch, router: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-    logits = linear(x, router)  # [T, E]
-    probs = torch.softmax(logits.float(), dim=-1)
-    top_k_weights, top_k_index = torch.topk(probs, arch.top_k, dim=-1)  # [T, k]
-    if arch.renormalize:
-        top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
-    if not arch.float_scores:
-        top_k_weights = top_k_weights.to(logits.dtype)
-    return top_k_weights, top_k_index
-
-
-def attention_and_route(
-    arch: Arch, w: LayerWeights, keys: Tensor, values: Tensor, h: Tensor, cos: Tensor, sin: Tensor,
-    positions: Tensor, kv_index: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One decoder layer up to its experts: (h after attention [T, H], expert input [T, H],
-    top_k_weights [T, k], top_k_index [T, k]); writes the layer's K/V at ``positions``."""
-    num_tokens = h.shape[0]
-    x = rms_norm(h, w.input_norm, arch.eps)  # [T, H]
-    q = linear(x, w.q, w.q_bias).view(num_tokens, arch.n_heads, arch.head_dim)  # [T, nH, d]
-    k = linear(x, w.k, w.k_bias).view(num_tokens, arch.n_kv_heads, arch.head_dim)  # [T, nKV, d]
-    v = linear(x, w.v, w.v_bias).view(num_tokens, arch.n_kv_heads, arch.head_dim)  # [T, nKV, d]
-    if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, arch.eps)
-        k = rms_norm(k, w.k_norm, arch.eps)
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    keys[:, :, positions] = k.transpose(0, 1)[None]  # [1, nKV, T, d] into [1, nKV, L, d], in place
-    values[:, :, positions] = v.transpose(0, 1)[None]
-    span = kv_index.shape[0]
-    mask = kv_index[None, :] <= positions[:, None]  # [T, S]
-    if arch.sliding_window is not None:
-        mask = mask & (positions[:, None] - kv_index[None, :] < arch.sliding_window)
-    attended = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys[:, :, :span], values[:, :, :span], attn_mask=mask[None, None],
-        scale=arch.scaling, enable_gqa=arch.n_heads != arch.n_kv_heads,
-    )  # [1, nH, T, d]
-    h = h + linear(attended[0].transpose(0, 1).reshape(num_tokens, -1), w.o, w.o_bias)  # [T, H]
-    x = rms_norm(h, w.post_norm, arch.eps)  # [T, H]
-    top_k_weights, top_k_index = route(arch, w.router, x)
-    return h, x, top_k_weights, top_k_index
 
 
 # ----- expert sources of the fused step ----------------------------------------------------------
@@ -370,7 +212,7 @@ class CompiledDecoder:
             raise ValueError("experts='cache' needs the engine's ExpertRuntime")
         decoder = model.model
         self.model = model
-        self.arch = _arch(model)
+        self.arch = arch_of(model)
         self.source = experts
         self.runtime = runtime
         self.cache = runtime.cache if experts == "cache" else None
@@ -384,7 +226,7 @@ class CompiledDecoder:
         self.lm_head = model.lm_head.weight  # [V, H]
         self.lm_head_bias = model.lm_head.bias
         self.inv_freq = decoder.rotary_emb.inv_freq
-        self.layers = [_layer_weights(layer) for layer in decoder.layers]
+        self.layers = [layer_weights_of(layer) for layer in decoder.layers]
         self.expert_modules = [layer.mlp.experts for layer in decoder.layers]
         # every decoder layer is an MoE layer (unsupported_reason), so layer index == cache row
 
@@ -527,33 +369,32 @@ class CompiledDecoder:
         if self._draft_experts is None:
             raise SpecterError("compile: draft mode without draft experts (CompiledDecoder.set_draft)")
         self.stats.draft_steps += 1
-        path = self.chooser.choose(DRAFT_KEY)
-        started = time.perf_counter()
-        if path == "layered":  # compiled attention, the INT4 experts eagerly (grouped, no weight copies)
-            logits = self._layered_logits(tokens, positions, kv_index, kv, host=self.host_experts)
-        else:
+
+        def fused() -> Tensor:
             out = self._call_fused(self._draft_step, tokens, positions, kv_index, kv)
             self._replay(out, "draft")
-            logits = out.logits
+            return out.logits
+
+        # layered: compiled attention, the INT4 experts eagerly (grouped, no weight copies)
+        return self._run_chosen(DRAFT_KEY, fused, lambda: self._layered_logits(
+            tokens, positions, kv_index, kv, host=self.host_experts))
+
+    def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor]) -> Tensor:
+        """Run the path the chooser picks for ``key`` and tell it how long the step took."""
+        path = self.chooser.choose(key)
+        started = time.perf_counter()
+        logits = layered() if path == "layered" else fused()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.chooser.observe(DRAFT_KEY, path, time.perf_counter() - started)
+        self.chooser.observe(key, path, time.perf_counter() - started)
         return logits
 
     def _run_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is None:
             return self._run_fused_target(tokens, positions, kv_index, kv)
-        width = tokens.shape[0]
-        path = self.chooser.choose(width)
-        started = time.perf_counter()
-        if path == "layered":
-            logits = self._run_layered(tokens, positions, kv_index, kv)
-        else:
-            logits = self._run_fused_target(tokens, positions, kv_index, kv)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.chooser.observe(width, path, time.perf_counter() - started)
-        return logits
+        args = (tokens, positions, kv_index, kv)
+        return self._run_chosen(tokens.shape[0], lambda: self._run_fused_target(*args),
+                                lambda: self._run_layered(*args))
 
     def _run_fused_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is not None:

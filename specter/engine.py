@@ -8,7 +8,8 @@ returns an ``Engine``; ``engine.generate(prompts)`` (texts or token-id lists) re
 - ``ondemand``: dense weights on the device, experts in a host store, an LRU (or any policy)
   device cache of experts loaded on a miss, no prefetch (mixtral-offloading's strategy).
 - ``hf-offload``: the external baseline, transformers + accelerate offloading (CUDA: experts that
-  do not fit the budget stay in host memory; CPU: they go to accelerate's disk offload).
+  do not fit the budget stay in host memory; CPU: they go to accelerate's disk offload); built by
+  ``specter.hf_offload``.
 
 All engines share the decoding loop, metrics and report code so comparisons are fair.
 """
@@ -16,10 +17,7 @@ All engines share the decoding loop, metrics and report code so comparisons are 
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -29,7 +27,7 @@ from specter.cache import CacheStats
 from specter.errors import BudgetError, SpecterError
 from specter.experts import ExpertRuntime, install
 from specter.generate import forward_logits, new_kv_cache, synchronize
-from specter.loader import DTYPES, check_weights_format, load_model, load_tokenizer, resolve_model_path
+from specter.loader import DTYPES, load_model, load_tokenizer, resolve_model_path
 from specter.metrics import GenerationMetrics
 from specter.sampling import SamplingParams, sample
 
@@ -266,200 +264,22 @@ def make_link(recipe, device: torch.device):
     return registry().create("link", kind, options, key="offload.link.kind")
 
 
-def slots_for_budget(recipe, store, top_k: int) -> int:
-    budget = recipe.offload.expert_budget
-    total = len(store.layers) * store.n_experts
-    slots = min(total, budget.resolve(len(store.layers), store.n_experts, store.expert_bytes))
+def budget_slots(budget, n_layers: int, n_experts: int, expert_bytes: int, top_k: int) -> int:
+    """Experts the ``offload.expert_budget`` buys (at most all of them); ``BudgetError`` when that
+    is fewer than one decode step needs of a layer at once."""
+    total = n_layers * n_experts
+    slots = min(total, budget.resolve(n_layers, n_experts, expert_bytes))
     if slots < top_k:
         raise BudgetError(
             f"offload.expert_budget: {budget.describe()} gives {slots} expert slot(s) "
-            f"({store.expert_bytes:,} bytes each), but one decode step needs {top_k} experts of a layer at once; "
-            f"use at least {top_k} experts ({top_k / total:.1%} of {total}, {top_k * store.expert_bytes:,} bytes)"
+            f"({expert_bytes:,} bytes each), but one decode step needs {top_k} experts of a layer at once; "
+            f"use at least {top_k} experts ({top_k / total:.1%} of {total}, {top_k * expert_bytes:,} bytes)"
         )
     return slots
 
 
-OFFLOAD_FOLDER_PREFIX = "specter-hf-offload-"
-
-
-class HFOffloadEngine(Engine):
-    """The external reference: transformers + accelerate offloading as a user would set it up.
-
-    - CUDA: ``device_map="auto"`` with ``max_memory`` capping the GPU at dense + budget bytes; what
-      does not fit stays in host memory and accelerate's hooks move it to the GPU per forward
-      (offload tier ``cpu``).
-    - CPU: the only offload a CPU user has is accelerate's disk offload. The device map keeps every
-      dense weight and the experts modules of the first layers that fit the budget in memory and
-      puts the other layers' experts modules on ``disk``: transformers re-saves those (converted)
-      weights as safetensors in a temporary ``offload_folder`` and accelerate's hooks load them
-      per forward (offload tier ``disk``). transformers 5 stores one layer's experts as ONE module
-      with stacked parameters ([E, 2I, H], [E, H, I]), so this offload moves whole layers' experts,
-      never single experts (a budget that is not a whole number of layers rounds down). Weights a
-      checkpoint already stores in the model's layout (GPT-OSS) are not re-saved: accelerate reads
-      them from the checkpoint's own safetensors and the folder stays empty.
-      Not ``device_map="auto"`` with ``max_memory={"cpu": dense + budget}``: accelerate never splits
-      a decoder layer (``_no_split_modules``), reserves one whole layer of the cpu cap for loading
-      disk layers, and fills devices greedily in module order, so it puts whole decoder layers
-      (attention, norms, ``lm_head`` included) on disk and keeps far less than the budget in memory
-      (a 4-layer tiny Mixtral at 25%: only the embeddings stay in memory).
-
-    Decoding goes through the base ``Engine`` loop (the model's own forward with a DynamicCache),
-    so greedy tokens equal the resident engine's. ``close()`` deletes the offload folder (so the
-    engine cannot generate afterwards); it is also deleted at interpreter exit.
-    """
-
-    name = "hf-offload"
-
-    def __init__(self, recipe, model, tokenizer, device, model_path, budget: dict, tier: str,
-                 folder: str | None) -> None:
-        super().__init__(recipe, model, tokenizer, device, model_path)
-        self.expert_budget = budget
-        self.offload_tier = tier
-        self.offload_folder = folder
-        self._remove_folder = weakref.finalize(self, _remove_folder, folder) if folder else None
-        self.placement = offload_placement(model, tier)
-
-    def engine_report(self) -> dict:
-        placed = self.placement
-        return {
-            "expert_budget": dict(self.expert_budget),
-            "device_bytes": {"draft": None, "cache": placed["expert_bytes_kept"], "dense": placed["dense_bytes_kept"],
-                             "total": placed["expert_bytes_kept"] + placed["dense_bytes_kept"]},
-            "offload": {"backend": "accelerate", "tier": self.offload_tier,
-                        "offloaded_bytes": placed["offloaded_bytes"],
-                        "modules_offloaded": placed["modules_offloaded"],
-                        "folder": self.offload_folder},
-        }
-
-    def close(self) -> None:
-        if self._remove_folder is not None:
-            self._remove_folder()
-
-
-def _remove_folder(folder: str) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _map_lookup(device_map: dict, name: str):
-    """The device ``device_map`` gives parameter ``name`` (its longest matching module prefix)."""
-    parts = name.split(".")
-    for end in range(len(parts), -1, -1):
-        key = ".".join(parts[:end])
-        if key in device_map:
-            return device_map[key]
-    raise SpecterError(f"engine: hf-offload: accelerate's device map does not place {name!r}")
-
-
-def offload_placement(model, tier: str) -> dict:
-    """Bytes of parameters in the memory tier and in the offload tier, from ``model.hf_device_map``.
-
-    Offloaded: device-map values ``disk`` (tier ``disk``) or ``cpu``/``disk`` (tier ``cpu``, the GPU
-    being the memory tier). Buffers are never offloaded (``offload_buffers=False``): dense, kept.
-    """
-    from specter.layout import moe_layers
-
-    device_map = getattr(model, "hf_device_map", None) or {"": "cpu"}
-    offload_values = {"disk"} if tier == "disk" else {"cpu", "disk"}
-    expert_names = {f"{m.experts_name}.{n}" for m in moe_layers(model) for n in m.param_names}
-    kept = {"expert": 0, "dense": 0}
-    offloaded = 0
-    for name, param in model.named_parameters():
-        size = param.numel() * param.element_size()
-        if _map_lookup(device_map, name) in offload_values:
-            offloaded += size
-        else:
-            kept["expert" if name in expert_names else "dense"] += size
-    kept["dense"] += tensor_bytes(model.buffers())
-    return {
-        "expert_bytes_kept": kept["expert"],
-        "dense_bytes_kept": kept["dense"],
-        "offloaded_bytes": offloaded,
-        "modules_offloaded": sum(1 for value in device_map.values() if value in offload_values),
-    }
-
-
-def disk_offload_device_map(model, offloaded: set[str]) -> dict[str, str]:
-    """A device map putting the modules named in ``offloaded`` on ``disk`` and everything else on
-    ``cpu``, with no overlapping keys: modules that hold an offloaded module are split into their
-    children (and own parameters and buffers)."""
-    device_map: dict[str, str] = {}
-
-    def visit(prefix: str, module) -> None:
-        if prefix in offloaded:
-            device_map[prefix] = "disk"
-            return
-        if not any(prefix == "" or name.startswith(prefix + ".") for name in offloaded):
-            device_map[prefix] = "cpu"
-            return
-        join = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)
-        for name, _ in module.named_parameters(recurse=False):
-            device_map[join(name)] = "cpu"
-        for name, _ in module.named_buffers(recurse=False):
-            device_map[join(name)] = "cpu"
-        for name, child in module.named_children():
-            visit(join(name), child)
-
-    visit("", model)
-    return device_map
-
-
-def build_hf_offload(recipe, path, tokenizer, device: torch.device, dtype: torch.dtype) -> Engine:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from specter.layout import moe_layers
-
-    if device.type not in ("cuda", "cpu"):
-        raise SpecterError(f"device: hf-offload runs on cuda (offload to host memory) or cpu (offload to disk), "
-                           f"not {device}")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=recipe.trust_remote_code)
-    layers = moe_layers(skeleton)
-    layer_bytes = [tensor_bytes(getattr(m.experts, n) for n in m.param_names) for m in layers]
-    expert_bytes = sum(layer_bytes)
-    dense_bytes = tensor_bytes(skeleton.parameters()) - expert_bytes
-    n_experts = sum(m.num_experts for m in layers)
-    per_expert = expert_bytes // n_experts
-    budget = recipe.offload.expert_budget
-    slots = min(n_experts, budget.resolve(len(layers), layers[0].num_experts, per_expert))
-    top_k = max(m.top_k for m in layers)
-    if slots < top_k:
-        raise BudgetError(
-            f"offload.expert_budget: {budget.describe()} gives {slots} expert(s) ({per_expert:,} bytes each), but one "
-            f"decode step needs {top_k} experts of a layer at once; use at least {top_k} experts "
-            f"({top_k / n_experts:.1%} of {n_experts})")
-    budget_bytes = slots * per_expert
-    asked = {"experts": slots, "bytes": budget_bytes, "fraction": slots / n_experts}
-    check_weights_format(path, recipe.allow_pickle)
-
-    folder = None
-    if device.type == "cuda":
-        tier = "cpu"
-        placement = dict(device_map="auto", max_memory={device.index or 0: dense_bytes + budget_bytes, "cpu": 2**40})
-    else:
-        # Whole layers' experts modules, first layers first (accelerate's fill order), while they fit.
-        tier, kept, offloaded = "disk", 0, set()
-        for layer, size in zip(layers, layer_bytes):
-            if not offloaded and kept + size <= budget_bytes:
-                kept += size
-            else:
-                offloaded.add(layer.experts_name)
-        placement = dict(device_map=disk_offload_device_map(skeleton, offloaded))
-        if offloaded:
-            folder = tempfile.mkdtemp(prefix=OFFLOAD_FOLDER_PREFIX)
-            placement["offload_folder"] = folder
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=recipe.trust_remote_code, **placement).eval()
-    except BaseException as exc:
-        if folder is not None:
-            _remove_folder(folder)
-        if isinstance(exc, (ValueError, RuntimeError)):
-            reason = (str(exc).strip().splitlines() or [""])[0]
-            raise SpecterError(f"offload.expert_budget: hf-offload: accelerate refused to place the model with "
-                               f"{budget.describe()} ({type(exc).__name__}: {reason})") from exc
-        raise
-    return HFOffloadEngine(recipe, model, tokenizer, device, path, asked, tier, folder)
+def slots_for_budget(recipe, store, top_k: int) -> int:
+    return budget_slots(recipe.offload.expert_budget, len(store.layers), store.n_experts, store.expert_bytes, top_k)
 
 
 def build_engine(recipe) -> Engine:
@@ -487,6 +307,8 @@ def _build_engine(recipe) -> Engine:
         model, _, _ = load_model(path, **common)
         return ResidentEngine(recipe, model, tokenizer, device, path)
     if engine_name == "hf-offload":
+        from specter.hf_offload import build_hf_offload
+
         return build_hf_offload(recipe, path, tokenizer, device, dtype)
     if engine_name in ("ondemand", "router-lookahead", "specter"):
         model, layers, store = load_model(path, keep_experts_on_host=True, **common)

@@ -138,6 +138,10 @@ class SpecterEngine(PrefetchingEngine):
         report["governor"] = summary() if callable(summary) else {"name": getattr(self.governor, "name", None)}
         return report
 
+    def _draft_steps(self, k: int) -> int:
+        """Draft forward passes for k drafted tokens: k, plus the routing-only one (lookahead_last)."""
+        return k + (1 if self.lookahead_last and k else 0)
+
     def _draft_tokens(self, token: int, k: int, kv, generator, context: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """k drafted tokens and, when sampling, their draft probabilities [k, V]. A predictor with a
         ``propose(context, k)`` method (e.g. ``ngram``) drafts instead of the INT4 model; its
@@ -151,7 +155,7 @@ class SpecterEngine(PrefetchingEngine):
             return drafted, torch.nn.functional.one_hot(torch.tensor(drafted), vocab).float().to(self.device)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
-        steps = k + (1 if self.lookahead_last and k else 0)
+        steps = self._draft_steps(k)
         with self.runtime.drafting():
             current = token
             for step in range(steps):
@@ -214,9 +218,9 @@ class SpecterEngine(PrefetchingEngine):
             total = time.perf_counter() - started
             metrics.observe_decode_step(len(emitted), total)
             proposed = getattr(self.predictor, "propose", None) is not None
-            draft_steps = 0 if proposed else k + (1 if self.lookahead_last and k else 0)
             timings = dict(draft_s=drafted_at - started, flush_s=flushed_at - drafted_at,
-                           verify_s=verified_at - flushed_at, draft_steps=draft_steps, experts_read=experts_read,
+                           verify_s=verified_at - flushed_at, draft_steps=0 if proposed else self._draft_steps(k),
+                           experts_read=experts_read,
                            draft_issue_s=draft_issue_s,
                            verify_io_wait_s=self.cache.stats.transfer_wait_s - wait_before)
             timings["host_s"] = total - timings["draft_s"] - timings["flush_s"] - timings["verify_s"]
