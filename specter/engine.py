@@ -32,6 +32,8 @@ from specter.metrics import GenerationMetrics
 from specter.sampling import SamplingParams, sample
 
 ProgressCallback = Callable[[int, int, int], None]  # (prompt index, prompts, tokens so far)
+TokensCallback = Callable[[int, list[int]], None]  # (prompt index, new token ids so far)
+StepCallback = Callable[[list[int]], None]  # decode_prompt's hook: the new token ids so far
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -95,11 +97,17 @@ class Engine:
         metrics.observe_prefill(len(prompt_ids), time.perf_counter() - started)
         return token
 
-    def decode_prompt(self, prompt_ids: list[int], max_new_tokens: int, generator, metrics, on_step) -> list[int]:
-        """Plain decoding: one target step per new token, until max_new_tokens or EOS."""
+    def decode_prompt(
+        self, prompt_ids: list[int], max_new_tokens: int, generator, metrics, on_step: StepCallback | None
+    ) -> list[int]:
+        """Plain decoding: one target step per new token, until max_new_tokens or EOS. ``on_step``
+        sees the new tokens after the prefill and after every step; an exception it raises stops
+        decoding and propagates."""
         kv = self.new_kv_cache()
         token = self.prefill(prompt_ids, kv, generator, metrics)
         new_tokens = [token]
+        if on_step is not None:
+            on_step(new_tokens)
         while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
             started = time.perf_counter()
             self.begin_round()
@@ -110,7 +118,7 @@ class Engine:
             metrics.observe_decode_step(1, time.perf_counter() - started)
             new_tokens.append(token)
             if on_step is not None:
-                on_step(len(new_tokens))
+                on_step(new_tokens)
         return new_tokens
 
     def engine_report(self) -> dict:
@@ -135,29 +143,59 @@ class Engine:
             return ids or [self.tokenizer.bos_token_id or 0]
         return [int(t) for t in prompt]
 
+    @property
+    def context_length(self) -> int | None:
+        """The most positions the model takes (``max_position_embeddings``), None if it says none."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+    def check_context(self, prompt_ids: Sequence[int], max_new_tokens: int, label: str = "prompt") -> None:
+        """Refuse, before any work, a prompt whose length plus ``max_new_tokens`` exceeds the
+        model's context length (the speculative round's k draft positions are cut to fit)."""
+        limit = self.context_length
+        if not prompt_ids:
+            raise SpecterError(f"{label}: empty after tokenisation")
+        if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+            raise SpecterError(
+                f"{label}: {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} = "
+                f"{len(prompt_ids) + max_new_tokens} positions exceed the model's context length {limit}; "
+                f"shorten the prompt or lower max_new_tokens"
+            )
+
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int | None = None,
-        progress: ProgressCallback | None = None,
+        progress: ProgressCallback | None = None, *, sampling: SamplingParams | None = None,
+        seed: int | None = None, on_tokens: TokensCallback | None = None,
     ) -> GenerationResult:
+        """Generate for each prompt in turn. ``max_new_tokens``, ``sampling`` and ``seed`` override
+        the recipe's for this call; ``on_tokens(prompt index, new ids so far)`` is called after the
+        prefill and after every decoding step (streaming), and an exception it raises stops the
+        call (cancellation) and propagates."""
         from specter.report import build_report
 
-        max_new = max_new_tokens or self.recipe.max_new_tokens
-        generator = torch.Generator(device="cpu").manual_seed(self.recipe.seed)
+        max_new = self.recipe.max_new_tokens if max_new_tokens is None else check_max_new_tokens(max_new_tokens)
+        generator = torch.Generator(device="cpu").manual_seed(self.recipe.seed if seed is None else int(seed))
+        recipe_sampling, self.sampling = self.sampling, sampling or self.sampling
         metrics = GenerationMetrics()
         self.reset_counters()
         compile_before = self.compiled.snapshot() if self.compiled is not None else None
+        encoded = [self.encode(prompt) for prompt in prompts]
+        for index, prompt_ids in enumerate(encoded):
+            self.check_context(prompt_ids, max_new, f"prompt {index + 1}")
         all_prompt_ids, all_new = [], []
         started = time.perf_counter()
-        with torch.inference_mode():
-            for index, prompt in enumerate(prompts):
-                prompt_ids = self.encode(prompt)
-                on_step = (lambda n, i=index: progress(i, len(prompts), n)) if progress else None
-                new_ids = self.decode_prompt(prompt_ids, max_new, generator, metrics, on_step)
-                all_prompt_ids.append(prompt_ids)
-                all_new.append(new_ids)
+        try:
+            with torch.inference_mode():
+                for index, prompt_ids in enumerate(encoded):
+                    on_step = self._step_hook(index, len(prompts), progress, on_tokens)
+                    new_ids = self.decode_prompt(prompt_ids, max_new, generator, metrics, on_step)
+                    all_prompt_ids.append(prompt_ids)
+                    all_new.append(new_ids)
+        finally:
+            self.sampling = recipe_sampling
         metrics.wall_s = time.perf_counter() - started
         texts = [self.decode_text(ids) for ids in all_new]
         result = GenerationResult(texts=texts, token_ids=all_new, prompt_ids=all_prompt_ids)
@@ -165,8 +203,30 @@ class Engine:
         result.report["compile"] = self.compiled.report(compile_before) if self.compiled is not None else None
         return result
 
+    @staticmethod
+    def _step_hook(
+        index: int, total: int, progress: ProgressCallback | None, on_tokens: TokensCallback | None
+    ) -> StepCallback | None:
+        if progress is None and on_tokens is None:
+            return None
+
+        def on_step(new_tokens: list[int]) -> None:
+            if progress is not None:
+                progress(index, total, len(new_tokens))
+            if on_tokens is not None:
+                on_tokens(index, new_tokens)
+
+        return on_step
+
     def close(self) -> None:
         pass
+
+
+def check_max_new_tokens(value) -> int:
+    """The API's check of a per-call ``max_new_tokens``: an integer >= 1 (as the recipe requires)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecterError(f"max_new_tokens: must be an integer >= 1, got {value!r}")
+    return value
 
 
 class ResidentEngine(Engine):

@@ -177,6 +177,8 @@ class SpecterEngine(PrefetchingEngine):
             self.predictor.reset()
         token = self.prefill(prompt_ids, kv, generator, metrics)
         new_tokens = [token]
+        if on_step:
+            on_step(new_tokens)
         while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
             started = time.perf_counter()
             k = min(check_next_k(self.governor.next_k(), self.governor), max_new_tokens - len(new_tokens) - 1)
@@ -230,5 +232,5 @@ class SpecterEngine(PrefetchingEngine):
             new_tokens.extend(emitted)
             token = new_tokens[-1]
             if on_step:
-                on_step(len(new_tokens))
+                on_step(new_tokens)
         return new_tokens

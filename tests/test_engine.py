@@ -152,3 +152,58 @@ def test_cuda_device_without_cuda_is_refused(checkpoint):
         pytest.skip("this machine has CUDA")
     with pytest.raises(SpecterError, match="device"):
         specter.load(recipe(checkpoint, "resident", device="cuda"))
+
+
+@pytest.mark.parametrize("name", ("resident", "specter"))
+def test_on_tokens_streams_every_step_and_an_exception_cancels(name, checkpoint):
+    engine = specter.load(recipe(checkpoint, name))
+    seen: list[list[int]] = []
+    result = engine.generate(PROMPTS[:1], on_tokens=lambda index, ids: seen.append(list(ids)))
+    assert seen[0] == result.token_ids[0][:1] and seen[-1] == result.token_ids[0]
+    assert all(a == b[: len(a)] and len(a) < len(b) for a, b in zip(seen, seen[1:]))
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(index, ids):
+        if len(ids) >= 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        engine.generate(PROMPTS[:1], on_tokens=stop_after_two)
+    assert engine.generate(PROMPTS[:1]).token_ids == result.token_ids  # usable after a cancel
+    engine.close()
+
+
+def test_per_call_sampling_and_seed_override_the_recipe(checkpoint):
+    from specter.sampling import SamplingParams
+
+    engine = specter.load(recipe(checkpoint, "resident"))
+    greedy = engine.generate(PROMPTS[:1]).token_ids
+    hot = SamplingParams(temperature=5.0)
+    first = engine.generate(PROMPTS[:1], sampling=hot, seed=7).token_ids
+    assert engine.generate(PROMPTS[:1], sampling=hot, seed=7).token_ids == first
+    assert first != greedy
+    assert engine.generate(PROMPTS[:1]).token_ids == greedy  # the recipe's sampling is back
+    engine.close()
+
+
+@pytest.mark.parametrize("bad", (0, -5, 2.5, True))
+def test_max_new_tokens_is_checked_like_the_recipe(bad, checkpoint):
+    engine = specter.load(recipe(checkpoint, "resident"))
+    with pytest.raises(SpecterError, match="max_new_tokens"):
+        engine.generate(PROMPTS[:1], max_new_tokens=bad)
+    engine.close()
+
+
+def test_prompt_plus_generation_beyond_the_context_length_is_refused_before_work(checkpoint):
+    engine = specter.load(recipe(checkpoint, "ondemand"))
+    limit = engine.context_length
+    assert limit is not None
+    with pytest.raises(SpecterError, match=f"context length {limit}"):
+        engine.generate([[1] * (limit - MAX_NEW + 1)])
+    assert engine.cache.stats.acquired_keys == 0  # refused before any step ran
+    with pytest.raises(SpecterError, match="context length"):
+        engine.generate(PROMPTS[:1], max_new_tokens=limit)
+    assert len(engine.generate([[1] * (limit - MAX_NEW)]).token_ids[0]) == MAX_NEW
+    engine.close()
