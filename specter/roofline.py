@@ -7,12 +7,15 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   fewer than 20 times uses the average over all positions instead.
 - Round time: ``T(k) = host + steps(k) * t_draft + V(k + 1)``. ``t_draft`` is the moving average of
   one draft step (``steps(k) = k + 1`` with the routing-only step, 0 for k = 0); ``V(T)`` is the
-  measured flush + verification time of a width-T pass, transfer waits included, so the link's
-  bandwidth, the cache and streaming are all in it as they are on this machine. Widths not seen
-  yet are estimated from the seen ones through the expected number of distinct experts a
-  width-T pass reads (``distinct_experts``: T tokens of top-k routing over E experts), which is
-  what a memory-bound verification costs; with no measurement at all, ``V(T) = distinct(T) /
-  distinct(1)`` target steps, a target step being estimated as ``t_draft / draft_ratio``.
+  flush + verification time of a width-T pass, transfer waits included, so the link's bandwidth,
+  the cache and streaming are all in it as they are on this machine. A memory-bound verification
+  costs a fixed part plus a part per distinct expert it reads, so for T >= 2 ``V(T) = a + b *
+  distinct(T)`` (``distinct_experts``: T tokens of top-k routing over E experts), the line fitted
+  (weighted least squares, ``a, b >= 0``) through the moving averages of the drafted widths
+  measured so far; a plain round (T = 1: no draft to hide transfers behind) keeps its own
+  average. Before any drafted width is measured, widths scale from T = 1 by distinct experts;
+  with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being
+  estimated as ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set).
   k = 0 is plain decoding for that round. Now and then it tries a neighbour of its choice (k = 1
@@ -48,6 +51,24 @@ def distinct_experts(tokens: int, n_experts: int, top_k: int) -> float:
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
 
 
+def fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Weighted least squares ``y = a + b x`` over (x, y, weight) points with ``a, b >= 0``; with
+    one distinct x, or when the free fit breaks the signs, the line through the origin."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(w * x for x, _, w in points) / total
+    mean_y = sum(w * y for _, y, w in points) / total
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    if spread > 1e-12 * max(mean_x, 1.0) ** 2:
+        slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread
+        intercept = mean_y - slope * mean_x
+        if slope >= 0 and intercept >= 0:
+            return intercept, slope
+        if slope < 0:
+            return mean_y, 0.0
+    through_origin = sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)
+    return 0.0, through_origin
+
+
 class Ema:
     def __init__(self, weight: float) -> None:
         self.weight = weight
@@ -76,6 +97,7 @@ class RooflineGovernor(Governor):
         self.draft_step = Ema(ema)
         self.host = Ema(ema)
         self.verify: dict[int, Ema] = {}  # width T -> flush + verify seconds
+        self.verify_count: dict[int, int] = {}
         self.rounds = 0
         self.last_k: int | None = None
         self.predicted_round_s: float | None = None
@@ -101,23 +123,24 @@ class RooflineGovernor(Governor):
         return total
 
     def verify_s(self, width: int) -> float | None:
-        seen = {t: e.value for t, e in self.verify.items() if e.value is not None}
-        if width in seen:
-            return seen[width]
-        if not seen:
-            if self.draft_step.value is None:
-                return None
-            step = self.draft_step.value / self.draft_ratio
-            return step * distinct_experts(width, self.n_experts, self.top_k) / distinct_experts(1, self.n_experts, self.top_k)
+        """Predicted flush + verify seconds of a width-T pass. A plain round (T = 1, nothing
+        drafted, so no transfer hidden behind a draft) is its own moving average. Speculative
+        widths follow ``a + b * distinct(T)``, the line through their per-width averages, each
+        weighted by its sample count (capped), so that one lucky or unlucky width cannot make the
+        roofline jagged."""
         u = lambda t: distinct_experts(t, self.n_experts, self.top_k)  # noqa: E731
-        below = [t for t in seen if t < width]
-        above = [t for t in seen if t > width]
-        if below and above:
-            lo, hi = max(below), min(above)
-            share = (u(width) - u(lo)) / (u(hi) - u(lo))
-            return seen[lo] + share * (seen[hi] - seen[lo])
-        nearest = max(below) if below else min(above)
-        return seen[nearest] * u(width) / u(nearest)
+        seen = {t: e.value for t, e in self.verify.items() if e.value is not None}
+        if width == 1 and 1 in seen:
+            return seen[1]
+        drafted = [(u(t), v, min(self.verify_count[t], MIN_POSITION_SAMPLES)) for t, v in seen.items() if t > 1]
+        if drafted:
+            intercept, slope = fit_line(drafted)
+            return intercept + slope * u(width)
+        if seen:
+            return seen[1] * u(width) / u(1)
+        if self.draft_step.value is None:
+            return None
+        return self.draft_step.value / self.draft_ratio * u(width) / u(1)
 
     def round_s(self, k: int) -> float | None:
         verify = self.verify_s(k + 1)
@@ -199,7 +222,9 @@ class RooflineGovernor(Governor):
         if steps and "draft_s" in timings:
             self.draft_step.update(timings["draft_s"] / steps)
         if "verify_s" in timings:
-            self.verify.setdefault(drafted + 1, Ema(self.weight)).update(timings["verify_s"] + timings.get("flush_s", 0.0))
+            width = drafted + 1
+            self.verify.setdefault(width, Ema(self.weight)).update(timings["verify_s"] + timings.get("flush_s", 0.0))
+            self.verify_count[width] = self.verify_count.get(width, 0) + 1
         if "host_s" in timings:
             self.host.update(max(0.0, timings["host_s"]))
         if self.history and "round_s" in timings:

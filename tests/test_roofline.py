@@ -133,3 +133,17 @@ def test_registered_and_built_with_the_engine_context():
 def test_the_engine_refuses_a_bad_k_naming_the_governor(k):
     with pytest.raises(SpecterError, match="governor 'roofline' returned k="):
         check_next_k(k, RooflineGovernor())
+
+
+def test_verify_cost_is_a_line_in_distinct_experts_so_one_lucky_width_cannot_make_it_jagged():
+    from specter.roofline import fit_line
+
+    assert fit_line([(1.0, 3.0, 1), (2.0, 5.0, 1), (4.0, 9.0, 2)]) == pytest.approx((1.0, 2.0))
+    assert fit_line([(2.0, 4.0, 1)]) == pytest.approx((0.0, 2.0))  # one width: through the origin
+    governor = RooflineGovernor(k=4, n_experts=16, top_k=2)
+    for width, seconds in [(3, 0.06), (5, 0.10), (6, 0.07), (8, 0.12), (9, 0.40)]:  # width 6 lucky
+        for _ in range(20):
+            governor.observe(drafted=width - 1, accepted=0, draft_s=0.01 * width, draft_steps=width, verify_s=seconds)
+    predicted = [governor.verify_s(t) for t in range(2, 10)]
+    assert predicted == sorted(predicted)  # monotone in width
+    assert governor.verify_s(6) > 0.07
