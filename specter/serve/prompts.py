@@ -1,0 +1,85 @@
+"""Requests to prompt token ids, checked against the model before a request may queue.
+
+Contract: ``Prompts(engine, default_max_tokens)`` tokenizes on the event loop with its own copy of
+the engine's tokenizer (the engine's own is used only by the worker thread, so the two threads
+never share a tokenizer object) and encodes text the way ``engine.encode`` does (no special
+tokens added; an empty text becomes the BOS token), so greedy text through the server equals
+``engine.generate``'s and ``python -m specter.run``'s for the same prompt.
+
+- ``completion_ids(request)``: the prompt's ids (text or token ids as given).
+- ``chat_ids(request)``: the messages rendered with the tokenizer's chat template
+  (``add_generation_prompt=True``); ``ApiError`` 400 (code ``chat_template_missing``) when the
+  tokenizer has none, or when the template refuses the conversation.
+- ``max_tokens(request, ids)``: the request's ``max_tokens``, else the recipe's
+  ``max_new_tokens`` capped to what the context has left; ``ApiError`` 400 (code
+  ``context_length_exceeded``) when prompt plus ``max_tokens`` does not fit the model
+  (``engine.check_context``).
+- ``chat_template`` (read/write): the template in use; ``--chat-template FILE`` sets it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+from specter.errors import SpecterError
+from specter.serve.protocol import ApiError, ChatRequest, CompletionRequest
+
+
+class Prompts:
+    def __init__(self, engine, default_max_tokens: int) -> None:
+        self.engine = engine
+        self.default_max_tokens = default_max_tokens
+        self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else None
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        if self.tokenizer is None:
+            raise SpecterError("chat template: the model ships no tokenizer")
+        self.tokenizer.chat_template = template
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "the model ships no tokenizer: send the prompt as token ids", param="prompt")
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids or [self.tokenizer.bos_token_id or 0]
+
+    def completion_ids(self, request: CompletionRequest) -> list[int]:
+        prompt = request.single_prompt()
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if self.vocab_size is not None and max(prompt) >= self.vocab_size:
+            raise ApiError(400, f"prompt: token id {max(prompt)} is outside the vocabulary (size {self.vocab_size})",
+                           param="prompt")
+        return prompt
+
+    def chat_ids(self, request: ChatRequest) -> list[int]:
+        if not self.chat_template:
+            raise ApiError(
+                400, "this model's tokenizer has no chat template, so /v1/chat/completions cannot format "
+                     "messages; use /v1/completions with a plain prompt, or start the server with "
+                     "--chat-template FILE", param="messages", code="chat_template_missing")
+        conversation = request.conversation()
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # jinja's TemplateError (raise_exception in templates) and friends
+            raise ApiError(400, f"messages: the chat template refused them: {error}", param="messages") from None
+        return self.encode(text)
+
+    def max_tokens(self, requested: int | None, ids: Sequence[int]) -> int:
+        limit = self.engine.context_length
+        if requested is None:
+            requested = self.default_max_tokens
+            if limit is not None and len(ids) < limit:
+                requested = min(requested, limit - len(ids))
+        try:
+            self.engine.check_context(ids, requested)
+        except SpecterError as error:
+            raise ApiError(400, f"{error}", param="max_tokens" if limit and len(ids) < limit else "prompt",
+                           code="context_length_exceeded") from None
+        return requested
