@@ -32,7 +32,7 @@ def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
 
 @torch.inference_mode()
 def time_decode(model, prompt: torch.Tensor, tokens: int) -> tuple[float, list[int]]:
-    from specter.generate import forward_logits, new_kv_cache
+    from specter.decode.kv import forward_logits, new_kv_cache
 
     kv = new_kv_cache(model)
     logits = forward_logits(model, prompt, kv)
@@ -59,7 +59,7 @@ def main() -> int:
         print("no CUDA device")
         return 1
     import specter
-    from specter.zoo import mixtral_shaped, random_model
+    from specter.testing.zoo import mixtral_shaped, random_model
 
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     results["pinned_h2d_gbps"] = pinned_bandwidth()

@@ -5,7 +5,10 @@ Public API: ``specter.load(recipe)`` -> engine with ``generate(prompts)``; ``spe
 for a transformers model you already loaded. See README.md.
 """
 
-__version__ = "0.1.0"
+from specter.quiet import quiet_third_party
+from specter.version import __version__
+
+quiet_third_party()
 
 __all__ = ["load", "run_recipe", "offload", "__version__"]
 

@@ -9,19 +9,26 @@ Contract:
 - ``offload(model, expert_budget=..., link=..., cache_policy=...)`` turns an already loaded
   transformers MoE model into an offloaded one in place (accelerate style): experts move to a
   host store, a device cache serves them, and the user's own ``model.generate`` keeps working
-  with the same greedy tokens. Returns an ``OffloadHandle`` (cache stats, ``remove()``).
+  with the same greedy tokens. Returns an ``OffloadHandle`` (cache stats, ``remove()``). While
+  offloaded, ``model.save_pretrained`` saves the real expert weights (from the host store),
+  ``model.set_experts_implementation`` is refused (call ``remove()`` first), gradients flow to
+  the inputs (expert weights are frozen), and a user's ``torch.compile`` of the model treats the
+  offloaded experts as opaque (a graph break; no guards on the cache's bookkeeping).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from specter.engine import Engine, GenerationResult, build_engine
-from specter.recipe import Recipe, load_recipe
+from specter.build import build_engine
+from specter.decode.engine import Engine, GenerationResult
+from specter.config import Recipe, load_recipe
+from specter.errors import SpecterError
 
 
 def as_recipe(recipe: str | Path | dict | Recipe, overrides: Sequence[str] = ()) -> Recipe:
@@ -84,11 +91,44 @@ class OffloadHandle:
     def stats(self):
         return self.cache.stats
 
+    @contextlib.contextmanager
+    def real_experts(self) -> Iterator[None]:
+        """For the duration, the model's expert parameters are the host store's real tensors (on
+        the host) instead of the empty placeholders; ``save_pretrained`` runs inside this."""
+        placeholders = {}
+        for info in self.runtime.layers.values():
+            for name, tensor in self.store.stacked(info.layer).items():
+                placeholders[(info.layer, name)] = getattr(info.experts, name)
+                setattr(info.experts, name, torch.nn.Parameter(tensor, requires_grad=False))
+        try:
+            yield
+        finally:
+            for info in self.runtime.layers.values():
+                for name in self.store.stacked(info.layer):
+                    setattr(info.experts, name, placeholders[(info.layer, name)])
+
+    def _save_pretrained(self, *args, **kwargs):
+        with self.real_experts():
+            return type(self.model).save_pretrained(self.model, *args, **kwargs)
+
+    def _refuse_switch(self, *args, **kwargs):
+        raise SpecterError("this model's experts are offloaded by specter; call the offload handle's remove() "
+                           "before set_experts_implementation")
+
+    def _guard(self) -> None:
+        self.model.save_pretrained = self._save_pretrained
+        self.model.set_experts_implementation = self._refuse_switch
+
+    def _unguard(self) -> None:
+        for name in ("save_pretrained", "set_experts_implementation"):
+            self.model.__dict__.pop(name, None)
+
     def remove(self) -> None:
         """Undo ``offload``: put the host experts back into the model on its device and restore
         the model's own experts implementation. The device cache is freed with the handle."""
-        from specter.experts import uninstall
+        from specter.experts.runtime import uninstall
 
+        self._unguard()
         uninstall(self.model)
         for info in self.runtime.layers.values():
             device = next(p.device for p in info.experts.parameters())
@@ -103,10 +143,10 @@ def offload(
     link: str | dict = "auto",
     cache_policy: str = "lru",
 ) -> OffloadHandle:
-    from specter.cache import ExpertCache
-    from specter.engine import make_link, slots_for_budget
-    from specter.experts import ExpertRuntime, install
-    from specter.loader import split_experts
+    from specter.memory.cache import ExpertCache
+    from specter.build import make_link, slots_for_budget
+    from specter.experts.runtime import ExpertRuntime, install
+    from specter.model.loader import split_experts
     from specter.plugins import registry
 
     device = next(p.device for p in model.parameters())
@@ -114,8 +154,8 @@ def offload(
     recipe = load_recipe({"offload": {"expert_budget": expert_budget, "link": link_spec,
                                       "cache_policy": {"name": cache_policy}}})
     # validate everything before the model is touched: a refused offload leaves it as it was
-    from specter.layout import moe_layers
-    from specter.store import ExpertStore
+    from specter.model.layout import moe_layers
+    from specter.memory.store import ExpertStore
 
     views = ExpertStore({m.layer: {n: getattr(m.experts, n).detach() for n in m.param_names} for m in moe_layers(model)})
     n_slots = slots_for_budget(recipe, views, max(m.top_k for m in moe_layers(model)))
@@ -127,4 +167,6 @@ def offload(
     cache = ExpertCache(store, n_slots, device, the_link, policy)
     runtime = ExpertRuntime(layers, cache)
     install(model, runtime)
-    return OffloadHandle(model, runtime, cache, store, the_link)
+    handle = OffloadHandle(model, runtime, cache, store, the_link)
+    handle._guard()
+    return handle

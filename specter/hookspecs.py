@@ -27,7 +27,7 @@ def register_cache_policies(register: Register) -> None:
 
 @hookspec
 def register_links(register: Register) -> None:
-    """Register links (host-to-device movers): factories returning a ``specter.links.Link``."""
+    """Register links (host-to-device movers): factories returning a ``specter.memory.link.Link``."""
 
 
 @hookspec
@@ -37,4 +37,10 @@ def register_predictors(register: Register) -> None:
 
 @hookspec
 def register_governors(register: Register) -> None:
-    """Register speculation governors: factories returning a ``specter.governors.Governor``."""
+    """Register speculation governors: factories returning a ``specter.decode.governor.Governor``."""
+
+
+@hookspec
+def register_engines(register: Register) -> None:
+    """Register engines: factories taking ``recipe`` and ``parts`` (a ``specter.build.EngineParts``)
+    and returning a ``specter.decode.engine.Engine``."""

@@ -10,8 +10,11 @@ implementation for its plugins and returns a ``Registry`` of ``(kind, name) -> f
   unset loads all, ``""`` none, ``"a,b"`` only the entry points named ``a`` and ``b``.
 - An entry point that fails to load, or whose hook implementation raises, is skipped with a
   ``PluginLoadWarning``; a built-in that fails is a bug and raises.
-- Names are unique per kind: two different factories under one name raise ``SpecterError``
-  naming both sources; registering the identical factory again is ignored.
+- Names are unique per kind. A third-party plugin that registers a name already taken (by a
+  built-in or an earlier plugin) or an invalid name is disabled as a whole, with a
+  ``PluginLoadWarning`` that names both sources; ``--list-plugins`` lists it under "skipped".
+  The same faults in a built-in raise ``SpecterError``; registering the identical factory again
+  is ignored.
 - ``Registry.create`` calls ``factory(**context, **options)``: every option must be a parameter
   of the factory, while the engine's context keywords are *offered*, each factory receiving only
   those its signature names (all of them if it takes ``**kwargs``).
@@ -35,9 +38,11 @@ from typing import Any, Callable
 import pluggy
 
 from specter import hookspecs
-from specter.errors import SpecterError, UnknownPluginError
+from specter.errors import SpecterError, UnknownPluginError, bounded_repr
 
-BUILTIN_PLUGIN_MODULES = ("specter.policies", "specter.links", "specter.predictors", "specter.governors")
+BUILTIN_PLUGIN_MODULES = (
+    "specter.policies", "specter.memory.links", "specter.predictors", "specter.decode.governors", "specter.decode.engines",
+)
 ENTRY_POINT_GROUP = "specter"
 ALLOWLIST_ENV = "SPECTER_PLUGINS"
 HOOK_BY_KIND = {
@@ -45,6 +50,7 @@ HOOK_BY_KIND = {
     "link": "register_links",
     "predictor": "register_predictors",
     "governor": "register_governors",
+    "engine": "register_engines",
 }
 KINDS = tuple(HOOK_BY_KIND)
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
@@ -103,13 +109,15 @@ class Registry:
         name: str,
         options: dict[str, Any] | None = None,
         key: str | None = None,
+        expect: type | None = None,
         **context: Any,
     ) -> object:
         """Instantiate plugin ``name`` with the recipe ``options`` and the context it accepts.
 
         ``key`` is the recipe section the plugin comes from (``offload.cache_policy``); every
-        error names it. An option the factory does not accept, or a ``ValueError`` raised by the
-        factory, becomes a ``SpecterError``.
+        error names it. An option the factory does not name is an error even when it takes
+        ``**kwargs``, unless it sets ``accepts_any_options = True``; so is a factory that raises
+        (one line naming the plugin) or, with ``expect``, returns an object of another type.
         """
         options = dict(options or {})
         where = f"{key}: " if key else ""
@@ -119,24 +127,45 @@ class Registry:
             raise SpecterError(
                 f"{where}option {reserved[0]!r} of {kind} {name!r} is set by the engine; remove it"
             )
+        accepted = _named_parameters(factory, context)
+        unknown = [option for option in options if accepted is not None and option not in accepted]
+        if unknown and not getattr(factory, "accepts_any_options", False):
+            raise SpecterError(
+                _one_line(f"{where}unknown option {bounded_repr(unknown[0])} for {kind} {name!r}; "
+                          f"accepted options: {', '.join(accepted or []) or '(none)'}")
+            )
         kwargs = {**_offered(factory, context), **options}
         try:
-            parameters = inspect.signature(factory)
-        except (TypeError, ValueError):
-            parameters = None
-        if parameters is not None:
-            try:
-                parameters.bind(**kwargs)
-            except TypeError as exc:
-                accepted = [p for p in parameters.parameters if p not in context and p != "self"]
-                raise SpecterError(
-                    _one_line(f"{where}bad options {options!r} for {kind} {name!r} ({exc}); "
-                              f"accepted options: {', '.join(accepted) or '(none)'}")
-                ) from None
+            inspect.signature(factory).bind(**kwargs)
+        except TypeError as exc:
+            raise SpecterError(_one_line(f"{where}bad options {bounded_repr(options)} for {kind} {name!r} "
+                                         f"({exc}); accepted options: {', '.join(accepted or []) or '(none)'}")) from None
+        except ValueError:
+            pass  # no readable signature: the call below is the check
         try:
-            return factory(**kwargs)
+            made = factory(**kwargs)
         except ValueError as exc:
             raise SpecterError(_one_line(f"{where}{kind} {name!r} rejected its options: {exc}")) from None
+        except SpecterError:
+            raise
+        except Exception as exc:
+            raise SpecterError(_one_line(f"{where}{kind} plugin {name!r} ({self.source(kind, name)}) failed while "
+                                         f"starting: {type(exc).__name__}: {exc}")) from exc
+        if expect is not None and not isinstance(made, expect):
+            raise SpecterError(f"{where}{kind} plugin {name!r} returned a {type(made).__name__}, which is not a "
+                               f"{expect.__module__}.{expect.__qualname__}; subclass it")
+        return made
+
+
+def _named_parameters(factory: Callable[..., object], context: dict[str, Any]) -> list[str] | None:
+    """The option names a factory takes (its parameters, context keywords and ``self`` excluded);
+    None when its signature cannot be read."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return None
+    plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters.values() if p.kind in plain and p.name not in context and p.name != "self"]
 
 
 def _one_line(message: str) -> str:
@@ -258,43 +287,57 @@ def reset_plugins() -> None:
 
 
 def _collect(manager: pluggy.PluginManager) -> dict[str, dict[str, PluginEntry]]:
-    """Call each hook implementation on its own, so every registration knows its source."""
-    entries: dict[str, dict[str, PluginEntry]] = {kind: {} for kind in KINDS}
+    """Call each hook implementation on its own, so every registration knows its source.
+
+    Built-ins go first. A plugin that raises while registering, registers an invalid name or a
+    name another plugin already has is disabled as a whole (all its registrations), with a
+    ``PluginLoadWarning``; for a built-in any of these is a bug and raises."""
+    offers: dict[str, list[tuple[str, object, object]]] = {}
+    failed: set[str] = set()
     for kind, hook_name in HOOK_BY_KIND.items():
         for impl in getattr(manager.hook, hook_name).get_hookimpls():
             if impl.hookwrapper or impl.wrapper:
                 continue
-            source = _sources.get(impl.plugin_name, impl.plugin_name)
-            offered: list[tuple[object, object]] = []
-            arguments = {"register": lambda name, factory: offered.append((name, factory))}
+            offered = offers.setdefault(impl.plugin_name, [])
+            arguments = {"register": lambda name, factory, kind=kind, into=offered: into.append((kind, name, factory))}
             try:
                 impl.function(**{arg: arguments[arg] for arg in impl.argnames})
             except Exception as exc:
                 if impl.plugin_name in _builtin_names:
                     raise
+                source = _sources.get(impl.plugin_name, impl.plugin_name)
                 _warn(f"skipped plugin {source}: {hook_name} raised {type(exc).__name__}: {exc}")
-                continue
-            for name, factory in offered:
-                _add(entries[kind], kind, name, factory, source)
+                failed.add(impl.plugin_name)
+    entries: dict[str, dict[str, PluginEntry]] = {kind: {} for kind in KINDS}
+    ordered = sorted(offers, key=lambda plugin: plugin not in _builtin_names)
+    for plugin_name in ordered:
+        if plugin_name in failed:
+            continue
+        source = _sources.get(plugin_name, plugin_name)
+        problem = next(filter(None, (_problem(entries, kind, name, factory, source)
+                                     for kind, name, factory in offers[plugin_name])), None)
+        if problem is not None:
+            if plugin_name in _builtin_names:
+                raise SpecterError(problem)
+            _warn(f"disabled plugin {source}: {problem}")
+            continue
+        for kind, name, factory in offers[plugin_name]:
+            entries[kind].setdefault(name, PluginEntry(kind, name, factory, source))  # type: ignore[arg-type]
     return entries
 
 
-def _add(plugins: dict[str, PluginEntry], kind: str, name: object, factory: object, source: str) -> None:
+def _problem(entries: dict[str, dict[str, PluginEntry]], kind: str, name: object, factory: object,
+             source: str) -> str | None:
+    """Why registering ``name`` would be wrong, or None."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise SpecterError(
-            f"{source} registered a {kind} named {name!r}; names are lowercase letters, digits, '.', '_', '-'"
-        )
+        return f"{source} registered a {kind} named {name!r}; names are lowercase letters, digits, '.', '_', '-'"
     if not callable(factory):
-        raise SpecterError(f"{source} registered {kind} {name!r} with a factory that is not callable")
-    existing = plugins.get(name)
-    if existing is not None:
-        if existing.factory is factory:
-            return
-        raise SpecterError(
-            f"{kind} {name!r} is registered twice, by {existing.source} and by {source}; "
-            f"uninstall one, or restrict external plugins with {ALLOWLIST_ENV}"
-        )
-    plugins[name] = PluginEntry(kind, name, factory, source)  # type: ignore[arg-type]
+        return f"{source} registered {kind} {name!r} with a factory that is not callable"
+    existing = entries[kind].get(name)
+    if existing is not None and existing.factory is not factory:
+        return (f"{kind} {name!r} is registered twice, by {existing.source} and by {source}; "
+                f"uninstall one, or restrict external plugins with {ALLOWLIST_ENV}")
+    return None
 
 
 def registry() -> Registry:
@@ -324,3 +367,23 @@ def format_plugin_list() -> str:
         lines.append("skipped:")
         lines.extend(f"  {_one_line(message)}" for message in plugins.skipped)
     return "\n".join(lines)
+
+
+RECIPE_KEY_BY_KIND = {
+    "cache_policy": "offload.cache_policy.name", "link": "offload.link.kind",
+    "predictor": "speculation.predictor.name", "governor": "speculation.governor.name", "engine": "engine",
+}
+
+
+def call_plugin(kind: str, plugin: object, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``plugin.method(*args, **kwargs)``; an exception other than ``SpecterError`` becomes a
+    one-line ``SpecterError`` naming the recipe key, the plugin and the method (the original
+    chained behind it, which the CLI's ``--debug`` prints)."""
+    try:
+        return getattr(plugin, method)(*args, **kwargs)
+    except SpecterError:
+        raise
+    except Exception as error:
+        name = getattr(plugin, "name", None) or getattr(plugin, "kind", None) or type(plugin).__name__
+        raise SpecterError(_one_line(f"{RECIPE_KEY_BY_KIND.get(kind, kind)}: {kind} plugin {name!r} raised "
+                                     f"{type(error).__name__} in {method}(): {error}")) from error

@@ -5,7 +5,9 @@ runs it through ``specter.api.run_recipe``, prints each prompt's generated text 
 table on stdout, progress on stderr, and with ``--report`` writes the JSON report.
 ``--list-plugins`` prints the registered plugins by kind; ``--explain`` every recipe key.
 ``--probe [TEXTFILE]`` (engine ``specter``) also measures teacher-forced draft/target agreement
-(``specter.probe``) on TEXTFILE or the recipe's prompts, prints it, and reports it under ``probe``.
+(``specter.bench.probe``) on TEXTFILE or the recipe's prompts, prints it, and reports it under ``probe``.
+The ``--report`` path is checked for writability before any work. ``--debug`` adds the traceback
+to an error; ``--verbose`` lets third-party libraries print their own warnings and bars.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ import os
 import sys
 import time
 from pathlib import Path
-
-os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 EXIT_USAGE = 2
 
@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="engine specter: also measure teacher-forced draft/target agreement on TEXTFILE "
                              "(.jsonl or text; default: the recipe's prompts)")
     parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    parser.add_argument("--verbose", action="store_true",
+                        help="let third-party libraries print their own warnings and progress bars")
+    parser.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
     return parser.parse_args(argv)
 
 
@@ -54,28 +57,34 @@ def main(argv: list[str] | None = None) -> int:
     from specter.errors import SpecterError
 
     args = parse_args(argv)
+    if args.verbose:
+        from specter.quiet import unquiet
+
+        unquiet()
     try:
+        if args.report:
+            check_writable(args.report)
         if args.list_plugins:
             from specter.plugins import format_plugin_list
 
             print(format_plugin_list())
             return 0
         if args.explain:
-            from specter.recipe import describe
+            from specter.config import describe
 
             print(describe())
             return 0
         if not args.recipe:
             print("error: a recipe file is required (try recipes/quickstart.yaml)", file=sys.stderr)
             return EXIT_USAGE
-        from specter.recipe import load_recipe
+        from specter.config import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)  # validate before the heavy imports
         from specter.api import run_recipe
-        from specter.report import format_summary
+        from specter.report.schema import format_summary
 
         if args.probe is not None:
-            from specter.probe import probe_recipe, probe_texts
+            from specter.bench.probe import probe_recipe, probe_texts
 
             texts = probe_texts(recipe, args.probe or None)
         say = progress_printer(args.quiet)
@@ -84,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             say("probing draft/target agreement ...")
             result.report["probe"] = probe_recipe(recipe, texts)
     except SpecterError as error:
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -94,12 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     for index, (prompt, text) in enumerate(zip(prompts_text, result.texts)):
         prompt_shown = prompt if isinstance(prompt, str) else str(prompt)
         print(f"=== prompt {index + 1} ===")
-        print(prompt_shown, end="")
+        print(prompt_shown)
+        print(f"--- continuation ({len(result.token_ids[index])} tokens) ---")
         print(f"\033[1m{text}\033[0m" if sys.stdout.isatty() else text)
     print("=== summary ===")
     print(format_summary(result.report))
     if "probe" in result.report:
-        from specter.probe import format_probe
+        from specter.bench.probe import format_probe
 
         print("=== probe ===")
         print(format_probe(result.report["probe"]))
@@ -108,6 +122,24 @@ def main(argv: list[str] | None = None) -> int:
         args.report.write_text(json.dumps(result.report, indent=2) + "\n")
         print(f"report written to {args.report}")
     return 0
+
+
+def check_writable(path: Path) -> None:
+    """Refuse, before any work, a ``--report`` path that cannot be written."""
+    from specter.errors import SpecterError
+
+    existed = path.exists()
+    try:
+        if path.is_dir():
+            raise IsADirectoryError("it is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise SpecterError(f"--report: cannot write {path}: {reason}") from None
+    if not existed:
+        path.unlink()
 
 
 def entry_point() -> int:

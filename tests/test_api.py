@@ -21,8 +21,8 @@ import yaml
 import specter
 from specter.api import first_mismatch, run_recipe
 from specter.errors import BudgetError, UnknownPluginError
-from specter.layout import is_experts_module, moe_layers
-from specter.zoo import random_model, save_byte_tokenizer, save_random_checkpoint
+from specter.model.layout import is_experts_module, moe_layers
+from specter.testing.zoo import random_model, save_byte_tokenizer, save_random_checkpoint
 
 torch.set_num_threads(1)
 

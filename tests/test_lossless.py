@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import specter
-from specter.zoo import ARCHITECTURES, save_random_checkpoint
+from specter.testing.zoo import ARCHITECTURES, save_random_checkpoint
 
 BUDGETS = (0.1, 0.25, 0.5)
 MAX_NEW = 12

@@ -13,7 +13,7 @@ import pytest
 
 from specter import plugins
 from specter.errors import SpecterError, UnknownPluginError
-from specter.governors import FixedGovernor
+from specter.decode.governors import FixedGovernor
 from specter.hookspecs import hookimpl
 from specter.plugins import (
     PluginLoadWarning,
@@ -24,7 +24,7 @@ from specter.plugins import (
     reset_plugins,
 )
 from specter.predictors import NonePredictor
-from specter.recipe import load_recipe
+from specter.config import load_recipe
 
 
 class FakeEntryPoint:
@@ -90,8 +90,9 @@ def test_builtins_are_registered_through_the_hooks():
     assert "none" in plugins_now.names("predictor")
     assert plugins_now.get("governor", "fixed") is FixedGovernor
     assert plugins_now.get("predictor", "none") is NonePredictor
-    assert plugins_now.source("governor", "fixed") == "builtin (specter.governors)"
-    assert set(plugins.KINDS) == {"cache_policy", "link", "predictor", "governor"}
+    assert plugins_now.source("governor", "fixed") == "builtin (specter.decode.governors)"
+    assert set(plugins.KINDS) == {"cache_policy", "link", "predictor", "governor", "engine"}
+    assert {"resident", "ondemand", "router-lookahead", "specter", "hf-offload"} <= set(plugins_now.names("engine"))
 
 
 def test_manager_is_built_once_until_reset():
@@ -215,16 +216,25 @@ def test_entry_point_with_a_misspelled_hook_argument_is_skipped(monkeypatch):
         assert "never" not in registry().names("governor")
 
 
-def test_duplicate_names_raise_naming_both_sources():
+def test_a_plugin_clashing_with_a_builtin_is_disabled_naming_both_sources():
     class Shadow:
         @hookimpl
         def register_governors(self, register):
             register("fixed", lambda k: None)
 
+        @hookimpl
+        def register_cache_policies(self, register):
+            register("shadow-policy", MyPolicy)
+
     register_plugin(Shadow())
-    expected = r"governor 'fixed' is registered twice, by builtin \(specter.governors\) and by registered at runtime"
-    with pytest.raises(SpecterError, match=expected):
-        registry()
+    expected = r"governor 'fixed' is registered twice, by builtin \(specter.decode.governors\) and by registered at runtime"
+    with pytest.warns(PluginLoadWarning, match=expected):
+        plugins_now = registry()
+    assert plugins_now.get("governor", "fixed") is FixedGovernor
+    assert "shadow-policy" not in plugins_now.names("cache_policy")  # the whole plugin is off
+    listing = format_plugin_list()
+    assert "skipped:" in listing and "disabled plugin registered at runtime" in listing
+    assert "  fixed " in listing
 
 
 def test_identical_re_registration_is_ignored():
@@ -244,8 +254,8 @@ def test_invalid_plugin_names_are_rejected():
             register("Has Spaces", FixedGovernor)
 
     register_plugin(BadName())
-    with pytest.raises(SpecterError, match="named 'Has Spaces'"):
-        registry()
+    with pytest.warns(PluginLoadWarning, match="named 'Has Spaces'"):
+        assert "Has Spaces" not in registry().names("governor")
 
 
 def test_unknown_names_list_the_known_ones():
@@ -272,7 +282,7 @@ def test_create_passes_options_and_offered_context():
 
 def test_create_turns_bad_options_into_errors_naming_the_key():
     register_plugin(MyPolicies())
-    with pytest.raises(SpecterError, match=r"^offload\.cache_policy: bad options \{'capacty': 3\}.*accepted options: capacity"):
+    with pytest.raises(SpecterError, match=r"^offload\.cache_policy: unknown option 'capacty' .*accepted options: capacity"):
         registry().create("cache_policy", "my-policy", {"capacty": 3}, key="offload.cache_policy")
     with pytest.raises(SpecterError, match=r"^offload\.cache_policy: cache_policy 'my-policy' rejected its options"):
         registry().create("cache_policy", "my-policy", {"capacity": 0}, key="offload.cache_policy")
@@ -282,6 +292,46 @@ def test_create_turns_bad_options_into_errors_naming_the_key():
         registry().create("governor", "fixed", {}, key="speculation.governor", k=99)
 
 
+def test_kwargs_factories_still_report_unknown_options_unless_they_opt_out():
+    def strict(**options):
+        return options
+
+    def anything(**options):
+        return options
+
+    anything.accepts_any_options = True
+
+    class Loose:
+        @hookimpl
+        def register_cache_policies(self, register):
+            register("strict", strict)
+            register("anything", anything)
+
+    register_plugin(Loose())
+    with pytest.raises(SpecterError, match="unknown option 'histroy' for cache_policy 'strict'"):
+        registry().create("cache_policy", "strict", {"histroy": True})
+    assert registry().create("cache_policy", "anything", {"histroy": True}) == {"histroy": True}
+
+
+def test_a_factory_that_raises_or_returns_the_wrong_type_is_one_line_naming_the_plugin():
+    from specter.policies.base import CachePolicy
+
+    def explodes():
+        raise RuntimeError("boom\nsecond line")
+
+    class Broken:
+        @hookimpl
+        def register_cache_policies(self, register):
+            register("explodes", explodes)
+            register("not-a-policy", lambda: object())
+
+    register_plugin(Broken())
+    with pytest.raises(SpecterError, match=r"^offload\.cache_policy\.name: cache_policy plugin 'explodes' .*RuntimeError: boom second line$"):
+        registry().create("cache_policy", "explodes", key="offload.cache_policy.name")
+    with pytest.raises(SpecterError, match="returned a object, which is not a specter.policies.base.CachePolicy"):
+        registry().create("cache_policy", "not-a-policy", expect=CachePolicy)
+
+
 def test_format_plugin_list_shows_kinds_names_and_sources(monkeypatch):
     monkeypatch.setenv("SPECTER_PLUGINS", "")
     reset_plugins()
@@ -289,5 +339,5 @@ def test_format_plugin_list_shows_kinds_names_and_sources(monkeypatch):
     assert text.splitlines()[0].endswith(": none")
     for kind in plugins.KINDS:
         assert f"\n{kind}:\n" in text
-    assert re.search(r"\n  fixed +builtin \(specter\.governors\)", text)
+    assert re.search(r"\n  fixed +builtin \(specter\.decode\.governors\)", text)
     assert re.search(r"\n  none +builtin \(specter\.predictors\)", text)

@@ -31,11 +31,12 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from specter.errors import RecipeError
-from specter.governors import MAX_K
-from specter.recipe import ENGINES, Recipe, load_recipe
+from specter.config.recipe import MAX_K
+from specter.config import Recipe, load_recipe
+from specter.config.schema import check_bounded
 
 SAME_MEMORY = "ondemand@same-memory"
-BENCH_ENGINES = (*ENGINES, SAME_MEMORY)
+BENCH_ENGINES = ("resident", "ondemand", "router-lookahead", "specter", "hf-offload", SAME_MEMORY)  # what a sweep knows how to run
 DEFAULT_ENGINES = ("resident", "ondemand", SAME_MEMORY, "specter")
 SWEEP_KEYS = ("engines", "budgets", "links", "k", "governors", "compile", "repeats", "warmup_tokens")
 
@@ -90,6 +91,7 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
         path = Path(source)
         try:
             raw = yaml.safe_load(path.read_text()) or {}
+            check_bounded(raw, "bench recipe")
         except OSError as error:
             raise _error("recipe", f"cannot read {path}: {error.strerror}") from None
         except yaml.YAMLError as error:

@@ -104,7 +104,7 @@ class Sweep:
     # ----- building ---------------------------------------------------------------------------
 
     def _build(self, label: str, engine: str, budget, link: str | None, compile: bool, extra=()):
-        from specter.engine import build_engine
+        from specter.build import build_engine
 
         mode = "compiled" if compile else "eager"
         where = "" if budget is None else f" budget {budget}"
@@ -254,7 +254,7 @@ def _hf_note(engine) -> str:
 
 
 def _make_link(spec: BenchSpec, engine, link: str):
-    from specter.engine import make_link
+    from specter.build import make_link
 
     return make_link(spec.cell_recipe(engine.name, None, link, False), engine.device)
 

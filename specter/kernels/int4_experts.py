@@ -208,6 +208,6 @@ def quantize_model_experts(
     model: nn.Module, group_size: int = 64, backend: Backend | None = None
 ) -> dict[int, Int4Experts]:
     """INT4 copies of every routed-experts module of a transformers MoE model, by decoder layer."""
-    from specter.layout import moe_layers
+    from specter.model.layout import moe_layers
 
     return {info.layer: Int4Experts.from_module(info.experts, group_size, backend) for info in moe_layers(model)}

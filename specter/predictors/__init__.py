@@ -1,4 +1,4 @@
-"""Expert predictors (see ``base.BasePredictor``) and their plugin registration.
+"""Expert predictors (see ``base.Predictor``) and their plugin registration.
 
 Built-ins: ``draft`` (the INT4 draft's routing while it drafts), ``router-lookahead`` (layer L's
 hidden state through layer L+1's router) and ``none`` (no prediction: every miss loads on
@@ -8,13 +8,13 @@ demand). They register through the same ``register_predictors`` hook as third-pa
 from __future__ import annotations
 
 from specter.hookspecs import Register, hookimpl
-from specter.predictors.base import BasePredictor
+from specter.predictors.base import Predictor
 from specter.predictors.draft import DraftPredictor
 from specter.predictors.ngram import NgramPredictor
 from specter.predictors.router_lookahead import RouterLookaheadPredictor
 
 
-class NonePredictor(BasePredictor):
+class NonePredictor(Predictor):
     """Predicts nothing: every expert the target needs is loaded on demand (a baseline)."""
 
     name = "none"

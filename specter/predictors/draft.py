@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from specter.predictors.base import BasePredictor
+from specter.predictors.base import Predictor
 
 
-class DraftPredictor(BasePredictor):
+class DraftPredictor(Predictor):
     name = "draft"
     needs_draft = True
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from specter.predictors.base import BasePredictor
+from specter.predictors.base import Predictor
 
 
-class NgramPredictor(BasePredictor):
+class NgramPredictor(Predictor):
+    drafts_tokens = True
     name = "ngram"
     needs_draft = False
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specter.predictors.base import BasePredictor
+from specter.predictors.base import Predictor
 
 
-class RouterLookaheadPredictor(BasePredictor):
+class RouterLookaheadPredictor(Predictor):
     name = "router-lookahead"
     needs_draft = False
 

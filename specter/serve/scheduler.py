@@ -32,10 +32,7 @@ from typing import Any
 from specter.serve.metrics import ServerMetrics
 from specter.serve.textstream import TextStream
 
-try:  # the package is being restructured: SamplingParams lives in one of these
-    from specter.decode.sampling import SamplingParams
-except ImportError:  # pragma: no cover - the layout before the restructuring
-    from specter.sampling import SamplingParams
+from specter.decode.sampling import SamplingParams
 
 __all__ = ["Cancelled", "Delta", "Done", "Failed", "Job", "QueueFull", "Scheduler", "SamplingParams"]
 

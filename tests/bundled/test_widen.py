@@ -12,7 +12,7 @@ import specter
 from specter.bundled import bundled_path, is_bundled
 from specter.bundled.widen import parse_factor, widen_tensor
 from specter.errors import RecipeError
-from specter.recipe import load_recipe
+from specter.config import load_recipe
 
 FACTOR = 2  # small so the test stays fast; the function is preserved for any power of two
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specter.cache import ExpertCache
-from specter.links import LocalLink
+from specter.memory.cache import ExpertCache
+from specter.memory.links import LocalLink
 from specter.plugins import registry
 from specter.policies import LookaheadPolicy, LRUPolicy
-from specter.store import ExpertStore
+from specter.memory.store import ExpertStore
 
 KEYS = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
 

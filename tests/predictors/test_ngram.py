@@ -7,10 +7,10 @@ import torch
 
 import specter
 from specter.errors import SpecterError
-from specter.generate import forward_logits, new_kv_cache
+from specter.decode.kv import forward_logits, new_kv_cache
 from specter.plugins import registry
 from specter.predictors.ngram import NgramPredictor
-from specter.zoo import save_random_checkpoint
+from specter.testing.zoo import save_random_checkpoint
 
 
 class RecordingScheduler:

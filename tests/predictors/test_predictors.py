@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from specter.layout import moe_layers
+from specter.model.layout import moe_layers
 from specter.plugins import registry
 from specter.predictors import NonePredictor
 from specter.predictors.draft import DraftPredictor
 from specter.predictors.router_lookahead import RouterLookaheadPredictor
-from specter.zoo import random_model
+from specter.testing.zoo import random_model
 
 
 class RecordingScheduler:

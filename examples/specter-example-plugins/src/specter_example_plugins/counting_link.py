@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specter.offload.link import CompletedTransfer, Link, Tensors, Transfer, copy_all, transfer_nbytes
+from specter.memory.link import CompletedTransfer, Link, Tensors, Transfer, copy_all, transfer_nbytes
 
 
 class CountingLink(Link):

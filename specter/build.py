@@ -1,0 +1,134 @@
+"""The composition root: a validated recipe in, a ready engine out.
+
+Contract: ``build_engine(recipe)`` sets the run's threads and seed, resolves the device, the
+checkpoint and the tokenizer, and asks the plugin registry for the recipe's engine (kind
+``engine``), handing the factory an ``EngineParts``: the pieces every engine is assembled from,
+each built on first request (the dense model on the device, the offloaded model with its host
+store, the cache policy, the link and the expert cache sized by ``offload.expert_budget``, the
+predictor and the governor). With ``compile: true`` the engine gets its compiled steps here, so
+decode timings exclude compilation. Nothing below this module imports it; entry points
+(``specter.api``, the CLIs) call it.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from specter.decode.engine import Engine
+from specter.errors import SpecterError
+from specter.model.loader import DTYPES, checkpoint_dir, load_model, load_tokenizer
+from specter.decode.governor import Governor
+from specter.memory.budget import budget_slots
+from specter.memory.cache import ExpertCache
+from specter.memory.link import Link
+from specter.policies.base import CachePolicy
+from specter.predictors.base import Predictor
+from specter.plugins import registry
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; a CUDA device this torch cannot see is refused."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecterError(f"device: {spec} requested but this torch build sees no CUDA device; use device: cpu or auto")
+    return device
+
+
+def make_link(recipe, device: torch.device):
+    """The recipe's link plugin (``auto``: cuda on a CUDA device, else emulated), bound to ``device``."""
+    spec = recipe.offload.link
+    kind = spec.kind
+    if kind == "auto":
+        kind = "disk" if recipe.offload.experts_on == "disk" else "cuda" if device.type == "cuda" else "emulated"
+    if (kind == "disk") != (recipe.offload.experts_on == "disk"):
+        raise SpecterError("offload.link.kind: the disk link reads experts from the checkpoint: use it with "
+                           "offload.experts_on: disk (and only it)")
+    if kind == "cuda" and device.type != "cuda":
+        raise SpecterError(f"offload.link.kind: 'cuda' needs a CUDA device, but the device is {device}; use emulated or local")
+    options = {"gbps": spec.gbps, "latency_us": spec.latency_us} if kind == "emulated" else {}
+    options.update(spec.options)
+    return registry().create("link", kind, options, key="offload.link.kind", expect=Link, device=device)
+
+
+def slots_for_budget(recipe, store, top_k: int) -> int:
+    return budget_slots(recipe.offload.expert_budget, len(store.layers), store.n_experts, store.expert_bytes, top_k)
+
+
+class EngineParts:
+    """What an engine factory assembles an engine from; every part is built on first access.
+
+    ``recipe``, ``device``, ``dtype``, ``path`` (checkpoint directory), ``tokenizer`` are ready;
+    ``resident_model`` loads every weight on the device; ``offloaded`` loads the dense weights on
+    the device and the experts into a host store, with a cache of ``offload.expert_budget`` slots
+    behind the recipe's link and cache policy: ``(recipe, model, tokenizer, device, path, layers,
+    store, cache, link)``, the arguments of ``OffloadedEngine``. ``predictor(name=None)`` and
+    ``governor()`` create the recipe's speculation plugins (``top_k``/``n_experts`` offered).
+    """
+
+    def __init__(self, recipe) -> None:
+        self.recipe = recipe
+        self.device = resolve_device(recipe.device)
+        self.dtype = DTYPES[recipe.dtype]
+        self.path: Path = checkpoint_dir(recipe.model_path())
+        self.tokenizer = load_tokenizer(self.path, recipe.trust_remote_code)
+
+    def _load_options(self) -> dict:
+        recipe = self.recipe
+        return dict(dtype=self.dtype, device=self.device, allow_pickle=recipe.allow_pickle,
+                    trust_remote_code=recipe.trust_remote_code)
+
+    @cached_property
+    def resident_model(self) -> torch.nn.Module:
+        model, _, _ = load_model(self.path, **self._load_options())
+        return model
+
+    @cached_property
+    def offloaded(self) -> tuple:
+        recipe = self.recipe
+        model, layers, store = load_model(self.path, keep_experts_on_host=True, pin_memory=recipe.offload.pin_memory,
+                                          experts_on_disk=recipe.offload.experts_on == "disk",
+                                          direct_io=recipe.offload.direct_io, **self._load_options())
+        n_slots = slots_for_budget(recipe, store, max(m.top_k for m in layers))
+        link = make_link(recipe, self.device)
+        policy = registry().create("cache_policy", recipe.offload.cache_policy.name,
+                                   recipe.offload.cache_policy.options, key="offload.cache_policy.name",
+                                   expect=CachePolicy)
+        verify = recipe.offload.verify_copies or os.environ.get("SPECTER_VERIFY_COPIES", "") not in ("", "0")
+        cache = ExpertCache(store, n_slots, self.device, link, policy,
+                            transfer_timeout_s=recipe.offload.transfer_timeout_s, verify_copies=verify)
+        return (recipe, model, self.tokenizer, self.device, self.path, layers, store, cache, link)
+
+    def _shape(self) -> dict:
+        layers, store = self.offloaded[5], self.offloaded[6]
+        return {"n_experts": store.n_experts, "top_k": max(m.top_k for m in layers)}
+
+    def predictor(self, name: str | None = None):
+        spec = self.recipe.speculation.predictor
+        if name is not None:
+            return registry().create("predictor", name, {}, key="engine", expect=Predictor, **self._shape())
+        return registry().create("predictor", spec.name, spec.options, key="speculation.predictor.name",
+                                 expect=Predictor, **self._shape())
+
+    def governor(self):
+        spec = self.recipe.speculation.governor
+        return registry().create("governor", spec.name, spec.options, key="speculation.governor.name",
+                                 expect=Governor, k=spec.k, **self._shape())
+
+
+def build_engine(recipe) -> Engine:
+    """The recipe's engine, loaded, its caches sized, compiled and warmed up if asked."""
+    torch.set_num_threads(recipe.threads)
+    torch.manual_seed(recipe.seed)
+    parts = EngineParts(recipe)
+    engine = registry().create("engine", recipe.engine, {}, key="engine", expect=Engine, recipe=recipe, parts=parts)
+    if recipe.compile:
+        from specter.compile.decoder import compile_engine
+
+        compile_engine(engine)
+    return engine

@@ -1,0 +1,2 @@
+"""torch.compile'd decoding steps: static KV buffers, experts read through the cache's device slot
+table (``decoder``), over the model math of ``decoder_math``."""

@@ -1,0 +1,401 @@
+"""Compile-native decoding: the model's step functions as plain functions compiled once.
+
+Contract:
+- ``unsupported_reason(model) -> str | None`` (from ``specter.compile.decoder_math``, which holds the
+  model math these graphs trace): why a model cannot be compiled here (None: it can).
+  Supported: every decoder layer is llama-style attention (optional biases, optional per-head q/k
+  RMSNorm, default RoPE, optional sliding window) followed by gated routed experts ([out, in], no
+  bias) behind a softmax top-k router: Mixtral, and Qwen3-MoE without dense layers.
+- ``CompiledDecoder(model, experts="resident" | "cache", runtime=None, layered=False)``: the
+  model's forward written against its weights (not through transformers' modules), experts from
+  the layers' own stacked tensors (``resident``) or from an ``ExpertRuntime``'s device cache and,
+  in draft mode, its INT4 experts (``cache``). ``forward_logits(input_ids [1, T], kv) -> fp32
+  logits [T, V]`` and ``new_kv_cache()`` stand in for ``specter.decode.kv.forward_logits`` and
+  ``new_kv_cache``; the ``StaticKV`` answers ``get_seq_length()`` and ``crop(-n)`` like a
+  DynamicCache, so the engines' loops run unchanged.
+- Paths, chosen on the host before each step:
+  * fused (one graph, no host inside, ``fullgraph=True``): decode (T = 1), verification
+    (2 <= T <= ``fused_max_tokens``, T a dynamic dimension) and the draft step (T = 1). Experts:
+    the layer's own weights, or cache slots found by reading ``slot_table`` on the device, or the
+    INT4 draft experts. A cache step also returns whether a needed expert was absent; then the
+    result is discarded and the step reruns on the layered path (it rewrites the same KV
+    positions). Transfers in flight are waited for first (``cache.drain``): the graph reads
+    READY slots only.
+  * layered (the host between compiled pieces, once per MoE layer): a compiled attention+router
+    piece per layer, then the host's experts (``ExpertRuntime.forward``: observers,
+    ``cache.acquire`` loading misses, the slot math, ``release``; the layer's own experts module
+    when resident), then a compiled final norm + LM head. Prefill (T > ``fused_max_tokens``, or
+    any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
+    (for predictors that must act between layers, e.g. router lookahead). For cache target
+    steps, and for draft steps (fused INT4 gather against compiled attention + the eager grouped
+    INT4 experts), a ``PathChooser`` measures both paths and takes the faster one.
+- After a fused step the host replays, per layer in order, what the eager path does inside the
+  step: the runtime's observers get (layer, expert input, top_k_index, top_k_weights, mode) and,
+  for a cache target step, ``cache.acquire`` + ``release`` of the layer's experts keep the cache
+  policy and counters as in eager mode. The draft's predictions thus reach the scheduler after
+  each draft step instead of after each of its layers.
+- Shapes: K/V buffers [1, n_kv, max_len, head_dim] per layer are allocated once and shared by
+  every ``StaticKV``. Attention reads the first ``span`` positions, ``span`` the length rounded
+  up to ``span_step`` and a dynamic dimension (``span_step=None``, the default on CUDA: always
+  ``max_len``, as CUDA graphs want). Cache contents, k and sequence growth do not recompile.
+- ``warm_up(max_verify_tokens, draft)`` compiles every graph on scratch inputs (no observer, cache
+  or counter is touched); ``stats`` holds its seconds, steps per path, fused-step misses, and
+  the graphs compiled after warm-up (``late_graphs``, from dynamo's counters).
+- ``compile_engine(engine, max_k=None)`` builds the decoder an engine needs (resident, ondemand,
+  router-lookahead, specter; others raise ``SpecterError``), warms it up and sets
+  ``engine.compiled``; ``Engine.forward_logits`` / ``new_kv_cache`` then route through it.
+On CUDA the fused graphs use CUDA graphs (inductor's ``triton.cudagraphs``); that path is
+written for, not yet run on, a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._dynamo.utils import counters
+
+from specter.compile.decoder_math import (
+    arch_of, attention_and_route, layer_weights_of, linear, rms_norm, rope_tables, unsupported_reason,
+)
+from specter.errors import SpecterError
+from specter.compile.parts import (
+    CompiledDraftExperts, CompileStats, OwnExperts, PathChooser, SlotExperts, StaticKV, StepOutput, _mark_static,
+)
+
+DEFAULT_MAX_LEN = 2048
+DRAFT_KEY = 0  # the PathChooser's key for draft steps (target steps are keyed by their width >= 1)
+HostExperts = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (row, x [T,H], index [T,k], weights [T,k])
+
+
+class CompiledDecoder:
+    def __init__(
+        self,
+        model: nn.Module,
+        experts: str = "resident",
+        runtime=None,
+        layered: bool = False,
+        max_len: int | None = None,
+        span_step: int | None = None,
+        fused_max_tokens: int = 17,
+        cuda_graphs: bool | None = None,
+        cpp_wrapper: bool = False,
+    ) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise SpecterError(f"compile: true cannot compile this model: {reason}; set compile: false")
+        if experts not in ("resident", "cache"):
+            raise ValueError(f"experts must be 'resident' or 'cache', got {experts!r}")
+        if experts == "cache" and runtime is None:
+            raise ValueError("experts='cache' needs the engine's ExpertRuntime")
+        decoder = model.model
+        self.model = model
+        self.arch = arch_of(model)
+        self.source = experts
+        self.runtime = runtime
+        self.cache = runtime.cache if experts == "cache" else None
+        self.layered = layered
+        self.fused_max_tokens = fused_max_tokens
+        self.stats = CompileStats()
+        self.device = decoder.embed_tokens.weight.device
+        self.dtype = decoder.embed_tokens.weight.dtype
+        self.embed = decoder.embed_tokens.weight  # [V, H]
+        self.final_norm = decoder.norm.weight
+        self.lm_head = model.lm_head.weight  # [V, H]
+        self.lm_head_bias = model.lm_head.bias
+        self.inv_freq = decoder.rotary_emb.inv_freq
+        self.layers = [layer_weights_of(layer) for layer in decoder.layers]
+        self.expert_modules = [layer.mlp.experts for layer in decoder.layers]
+        # every decoder layer is an MoE layer (unsupported_reason), so layer index == cache row
+
+        positions_limit = getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LEN)
+        self.max_len = max_len or min(positions_limit, DEFAULT_MAX_LEN)
+        self.span_step = span_step if span_step is not None or self.device.type == "cuda" else 64
+        shape = (1, self.arch.n_kv_heads, self.max_len, self.arch.head_dim)
+        self._keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self._values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self._kv_index = torch.arange(self.max_len, device=self.device)
+
+        if experts == "resident":
+            self.target_experts = OwnExperts(self.expert_modules)
+            self.host_experts: HostExperts = self._host_resident_experts
+        else:
+            self.target_experts = SlotExperts(self.cache, self.expert_modules[0])
+            self.host_experts = self._host_cache_experts
+        self._draft_experts: CompiledDraftExperts | None = None
+        self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
+
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
+            weights = [self.embed, self.final_norm, self.lm_head, self.lm_head_bias, self.inv_freq]
+            weights += [getattr(w, f.name) for w in self.layers for f in dataclasses.fields(w)]
+            if self.cache is None:
+                weights += [t for m in self.expert_modules for t in (m.gate_up_proj, m.down_proj)]
+            else:
+                weights += [self.cache.slot_table, *self.cache.slots.values()]
+            _mark_static(weights + self._keys + self._values + [self._kv_index])
+        # Guards already pin every input's size and stride: the generated per-call re-checks cost
+        # about 5% of a decode step on this model.
+        options = {"size_asserts": False, "alignment_asserts": False}
+        # cpp_wrapper (measured on CPU, bundled model): draft step 15% and decode step 12% faster,
+        # about 10 s more compile per fused graph; off by default to keep warm-up short
+        fused_options = options | {"triton.cudagraphs": self.cuda_graphs, "cpp_wrapper": cpp_wrapper}
+        fused = dict(fullgraph=True, dynamic=False, options=fused_options)
+        self._target_step = torch.compile(self._target_graph, **fused)
+        self._draft_step = torch.compile(self._draft_graph, **fused)
+        pieces = dict(fullgraph=True, dynamic=False, options=options)  # the host runs between pieces
+        self._embed_piece = torch.compile(self._embed_graph, **pieces)
+        self._layer_piece = torch.compile(attention_and_route, **pieces)
+        self._head_piece = torch.compile(self._head_graph, **pieces)
+
+    # ----- public --------------------------------------------------------------------------------
+
+    def new_kv_cache(self) -> StaticKV:
+        return StaticKV(self._keys, self._values)
+
+    def snapshot(self) -> CompileStats:
+        return dataclasses.replace(self.stats)
+
+    def report(self, since: CompileStats | None = None) -> dict:
+        """Step counters since ``since`` (a ``snapshot``; all when None), warm-up seconds, settings."""
+        counts = self.stats.as_dict()
+        if since is not None:
+            counts = {name: value if name == "warmup_s" else value - getattr(since, name)
+                      for name, value in counts.items()}
+        return {"enabled": True, "experts": self.source, "layered": self.layered, "max_len": self.max_len,
+                "span_step": self.span_step, "cuda_graphs": self.cuda_graphs, "paths": self.chooser.as_dict(),
+                **counts}
+
+    def set_draft(self, draft: dict[int, object]) -> None:
+        """The INT4 draft experts by decoder layer (the speculative engine's)."""
+        self._draft_experts = CompiledDraftExperts([draft[layer] for layer in range(len(self.layers))])
+        if self.device.type == "cuda":
+            _mark_static(t for d in self._draft_experts.draft
+                         for t in (d.up_packed, d.up_scales, d.down_packed, d.down_scales))
+
+    def forward_logits(self, input_ids: Tensor, kv: StaticKV) -> Tensor:
+        """Run over ``input_ids`` [1, T] appending to ``kv``; fp32 logits [T, V]."""
+        tokens = input_ids.reshape(-1)  # [T]
+        num_tokens = tokens.shape[0]
+        start = kv.length
+        if start + num_tokens > self.max_len:
+            raise SpecterError(
+                f"compile: the sequence reaches {start + num_tokens} tokens but the static KV cache holds "
+                f"{self.max_len} (the model's max_position_embeddings, at most {DEFAULT_MAX_LEN})"
+            )
+        positions = torch.arange(start, start + num_tokens, device=self.device)  # [T]
+        kv_index = self._span(start + num_tokens)
+        graphs = counters["stats"]["unique_graphs"]
+        if self.runtime is not None and self.runtime.mode == "draft":
+            if num_tokens != 1:
+                raise SpecterError("compile: the draft runs one token per step")
+            logits = self._run_draft(tokens, positions, kv_index, kv)
+        elif self.layered or num_tokens > self.fused_max_tokens or (start == 0 and self.source == "cache"):
+            logits = self._run_layered(tokens, positions, kv_index, kv)  # a cache's prefill streams experts
+        else:
+            logits = self._run_target(tokens, positions, kv_index, kv)
+        self.stats.late_graphs += counters["stats"]["unique_graphs"] - graphs
+        kv.length = start + num_tokens
+        return logits
+
+    def warm_up(self, max_verify_tokens: int = 1, draft: bool = False) -> float:
+        """Compile, on scratch inputs, the graphs of decode, verification of up to
+        ``max_verify_tokens`` tokens, prefill, cache misses and (``draft``) the draft step.
+        Returns the seconds taken (accumulated in ``stats.warmup_s``)."""
+        started = time.perf_counter()
+        kv = StaticKV(self._keys, self._values)
+        fused_sizes = (1, 2, 3) if max_verify_tokens > 1 or self.source == "resident" else (1,)
+        if self.layered:
+            fused_sizes = ()
+        layered_sizes = (2, 3, self.fused_max_tokens + 1) + ((1,) if self.source == "cache" else ())
+        with torch.inference_mode():
+            for num_tokens in fused_sizes:
+                self._call_fused(self._target_step, *self._scratch(num_tokens), kv)
+            for num_tokens in layered_sizes:
+                self._layered_logits(*self._scratch(num_tokens), kv, host=self._zero_experts)
+            if draft:
+                for start in (0, self.span_step or 0):
+                    self._call_fused(self._draft_step, *self._scratch(1, start), kv)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.warmup_s += time.perf_counter() - started
+        return self.stats.warmup_s
+
+    # ----- step paths ----------------------------------------------------------------------------
+
+    def _span(self, end: int) -> Tensor:
+        if self.span_step is None:
+            return self._kv_index
+        span = min(self.max_len, -(-end // self.span_step) * self.span_step)
+        kv_index = self._kv_index[:span]  # [S]
+        torch._dynamo.mark_dynamic(kv_index, 0)
+        return kv_index
+
+    def _scratch(self, num_tokens: int, start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        tokens = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + num_tokens, device=self.device)
+        return tokens, positions, self._span(start + num_tokens)
+
+    def _call_fused(self, step: Callable, tokens: Tensor, positions: Tensor, kv_index: Tensor,
+                    kv: StaticKV) -> StepOutput:
+        if tokens.shape[0] > 1:
+            torch._dynamo.mark_dynamic(tokens, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        return step(tokens, positions, kv_index, kv.keys, kv.values)
+
+    def _run_draft(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
+        if self._draft_experts is None:
+            raise SpecterError("compile: draft mode without draft experts (CompiledDecoder.set_draft)")
+        self.stats.draft_steps += 1
+
+        def fused() -> Tensor:
+            out = self._call_fused(self._draft_step, tokens, positions, kv_index, kv)
+            self._replay(out, "draft")
+            return out.logits
+
+        # layered: compiled attention, the INT4 experts eagerly (grouped, no weight copies)
+        return self._run_chosen(DRAFT_KEY, fused, lambda: self._layered_logits(
+            tokens, positions, kv_index, kv, host=self.host_experts))
+
+    def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor]) -> Tensor:
+        """Run the path the chooser picks for ``key`` and tell it how long the step took."""
+        path = self.chooser.choose(key)
+        started = time.perf_counter()
+        logits = layered() if path == "layered" else fused()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.chooser.observe(key, path, time.perf_counter() - started)
+        return logits
+
+    def _run_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
+        if self.cache is None:
+            return self._run_fused_target(tokens, positions, kv_index, kv)
+        args = (tokens, positions, kv_index, kv)
+        return self._run_chosen(tokens.shape[0], lambda: self._run_fused_target(*args),
+                                lambda: self._run_layered(*args))
+
+    def _run_fused_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
+        if self.cache is not None:
+            self.cache.drain()
+        out = self._call_fused(self._target_step, tokens, positions, kv_index, kv)
+        if out.missing is not None and bool(out.missing):
+            self.stats.fused_misses += 1
+            return self._run_layered(tokens, positions, kv_index, kv)
+        self.stats.fused_steps += 1
+        self._replay(out, "target")
+        return out.logits
+
+    def _run_layered(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
+        self.stats.layered_steps += 1
+        return self._layered_logits(tokens, positions, kv_index, kv, host=self.host_experts)
+
+    def _layered_logits(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV,
+                        host: HostExperts) -> Tensor:
+        dynamic = tokens.shape[0] > 1
+        mark = torch._dynamo.mark_dynamic if dynamic else (lambda tensor, dim: None)
+        mark(tokens, 0)
+        mark(positions, 0)
+        h, cos, sin = self._embed_piece(tokens, positions)
+        for row, w in enumerate(self.layers):
+            for tensor in (h, cos, sin):
+                mark(tensor, 0)
+            h, x, top_k_weights, top_k_index = self._layer_piece(
+                self.arch, w, kv.keys[row], kv.values[row], h, cos, sin, positions, kv_index)
+            h = h + host(row, x, top_k_index, top_k_weights)
+        mark(h, 0)
+        return self._head_piece(h)
+
+    def _replay(self, out: StepOutput, mode: str) -> None:
+        """The host side of the eager path, after the fact: observers per layer, then (cache target
+        step) the cache's bookkeeping of the experts used, all READY, hence hits."""
+        if self.runtime is None:
+            return
+        account = mode == "target" and self.cache is not None
+        for layer in range(len(self.layers)):
+            top_k_index = out.top_k_index[layer]
+            for observe in self.runtime.observers:
+                observe(layer, out.expert_inputs[layer], top_k_index, out.top_k_weights[layer], mode)
+            if account:
+                experts = top_k_index.unique().tolist()
+                self.cache.acquire(layer, experts)
+                self.cache.release(layer, experts)
+
+    # ----- host experts of the layered path --------------------------------------------------------
+
+    def _host_resident_experts(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return self.expert_modules[row](x, top_k_index, top_k_weights)
+
+    def _host_cache_experts(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return self.runtime.forward(row, self.expert_modules[row], x, top_k_index, top_k_weights)
+
+    @staticmethod
+    def _zero_experts(row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return torch.zeros_like(x)
+
+    # ----- the compiled graphs ---------------------------------------------------------------------
+
+    def _embed_graph(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        h = F.embedding(tokens, self.embed)  # [T, H]
+        cos, sin = rope_tables(self.inv_freq, positions, self.arch.rope_scaling, h.dtype)
+        return h, cos, sin
+
+    def _head_graph(self, h: Tensor) -> Tensor:
+        return linear(rms_norm(h, self.final_norm, self.arch.eps), self.lm_head, self.lm_head_bias).float()  # [T, V]
+
+    def _fused(self, experts, tokens: Tensor, positions: Tensor, kv_index: Tensor,
+               keys: list[Tensor], values: list[Tensor]) -> StepOutput:
+        h, cos, sin = self._embed_graph(tokens, positions)
+        indices, weights, inputs, missing = [], [], [], []
+        for row, w in enumerate(self.layers):
+            h, x, top_k_weights, top_k_index = attention_and_route(
+                self.arch, w, keys[row], values[row], h, cos, sin, positions, kv_index)
+            y, miss = experts(row, x, top_k_index, top_k_weights)
+            h = h + y
+            indices.append(top_k_index)
+            weights.append(top_k_weights)
+            inputs.append(x)
+            if miss is not None:
+                missing.append(miss)
+        return StepOutput(
+            logits=self._head_graph(h),
+            top_k_index=torch.stack(indices),
+            top_k_weights=torch.stack(weights),
+            expert_inputs=torch.stack(inputs),
+            missing=torch.stack(missing).any() if missing else None,
+        )
+
+    def _target_graph(self, tokens, positions, kv_index, keys, values) -> StepOutput:
+        return self._fused(self.target_experts, tokens, positions, kv_index, keys, values)
+
+    def _draft_graph(self, tokens, positions, kv_index, keys, values) -> StepOutput:
+        return self._fused(self._draft_experts, tokens, positions, kv_index, keys, values)
+
+
+def compile_engine(engine, max_k: int | None = None) -> CompiledDecoder:
+    """Give ``engine`` (resident, ondemand, router-lookahead or specter) a warmed-up
+    ``CompiledDecoder`` as ``engine.compiled``. ``max_k``: the most draft tokens a round may
+    verify (default: the fixed governor's k, else ``MAX_K``)."""
+    from specter.config.recipe import MAX_K
+
+    if not engine.compilable:
+        raise SpecterError(f"compile: true is not available for engine {engine.name!r}; set compile: false")
+    runtime = getattr(engine, "runtime", None)
+    decoder = CompiledDecoder(
+        engine.model,
+        experts="resident" if runtime is None else "cache",
+        runtime=runtime,
+        layered=engine.name == "router-lookahead",  # its predictor acts between layers
+    )
+    draft = getattr(engine, "draft", None)
+    if draft:
+        decoder.set_draft(draft)
+        if max_k is None:
+            governor = getattr(engine, "governor", None)
+            max_k = getattr(governor, "k_max", MAX_K)
+    decoder.warm_up(max_verify_tokens=(max_k or 0) + 1, draft=bool(draft))
+    engine.compiled = decoder
+    return decoder

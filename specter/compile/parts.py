@@ -1,0 +1,132 @@
+"""The pieces the compiled decoder is assembled from: where a graph's experts come from (the
+layer's own weights, cache slots through the device slot table, the INT4 draft), the measured
+choice between the fused and the layered path (``PathChooser``), the static KV buffers and the
+compile counters. Contract details: ``specter.compile.decoder``'s docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from specter.kernels.slot_experts import gather_experts, slots_for
+
+@dataclasses.dataclass
+class CompileStats:
+    warmup_s: float = 0.0
+    fused_steps: int = 0
+    fused_misses: int = 0  # fused cache steps rerun on the layered path
+    layered_steps: int = 0
+    draft_steps: int = 0
+    late_graphs: int = 0  # graphs compiled by steps after warm-up (recompilations)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----- expert sources of the fused step ----------------------------------------------------------
+
+class OwnExperts:
+    """The layers' own stacked experts (the resident engine)."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.gate_up = [m.gate_up_proj for m in modules]  # [E, 2I, H] each
+        self.down = [m.down_proj for m in modules]  # [E, H, I] each
+        self.apply_gate = modules[0]._apply_gate
+
+    def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+        y = gather_experts(x, top_k_index, top_k_weights, self.gate_up[row], self.down[row], self.apply_gate)
+        return y, None
+
+
+class SlotExperts:
+    """Experts from the cache's slot buffers, addressed through the device ``slot_table``."""
+
+    def __init__(self, cache, module: nn.Module) -> None:
+        self.table = cache.slot_table  # [n_moe_layers, E]
+        self.gate_up = cache.slots["gate_up_proj"]  # [n_slots, 2I, H]
+        self.down = cache.slots["down_proj"]  # [n_slots, H, I]
+        self.apply_gate = module._apply_gate
+
+    def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+        slots, missing = slots_for(self.table[row], top_k_index)
+        return gather_experts(x, slots, top_k_weights, self.gate_up, self.down, self.apply_gate), missing
+
+
+class CompiledDraftExperts:
+    """The resident INT4 draft experts (``Int4Experts.forward_static``)."""
+
+    def __init__(self, draft: list) -> None:
+        self.draft = draft
+
+    def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+        return self.draft[row].forward_static(x, top_k_index, top_k_weights), None
+
+
+class PathChooser:
+    """Picks the faster path (``fused`` or ``layered``) for draft steps and for cache target steps
+    of each width by
+    measuring both: a fused cache step waits for every transfer in flight and reruns layered when
+    an expert is missing, and reads experts per (token, slot) pair, while the layered path
+    overlaps transfers with earlier layers and reads each distinct expert once; which wins
+    depends on the cache, the link and the expert size. Each width tries both paths ``TRIALS``
+    times, then takes the lower moving average, trying the other path again every ``RECHECK``
+    steps of that width."""
+
+    TRIALS, RECHECK, WEIGHT = 2, 32, 0.2
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[int, str], float] = {}
+        self.counts: dict[tuple[int, str], int] = {}
+        self.steps: dict[int, int] = {}
+
+    def choose(self, width: int) -> str:
+        step = self.steps[width] = self.steps.get(width, 0) + 1
+        fused, layered = self.counts.get((width, "fused"), 0), self.counts.get((width, "layered"), 0)
+        if min(fused, layered) < self.TRIALS:
+            return "fused" if fused <= layered else "layered"
+        best = min(("fused", "layered"), key=lambda path: self.seconds[(width, path)])
+        if step % self.RECHECK == 0:
+            return "layered" if best == "fused" else "fused"
+        return best
+
+    def observe(self, width: int, path: str, seconds: float) -> None:
+        key = (width, path)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        previous = self.seconds.get(key)
+        self.seconds[key] = seconds if previous is None else (1 - self.WEIGHT) * previous + self.WEIGHT * seconds
+
+    def as_dict(self) -> dict:
+        return {f"{width}:{path}": {"steps": self.counts[(width, path)], "mean_s": seconds}
+                for (width, path), seconds in sorted(self.seconds.items())}
+
+
+@dataclasses.dataclass
+class StepOutput:
+    logits: Tensor  # [T, V] float32
+    top_k_index: Tensor  # [L, T, k]
+    top_k_weights: Tensor  # [L, T, k]
+    expert_inputs: Tensor  # [L, T, H]
+    missing: Tensor | None  # [] bool: a needed expert was not resident (cache source only)
+
+
+class StaticKV:
+    """The decoder's static K/V buffers with a host-side length; crops like a DynamicCache."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor]) -> None:
+        self.keys, self.values = keys, values  # [1, nKV, max_len, d] per layer
+        self.length = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        """Keep ``max_length`` positions; a negative value drops that many newest ones."""
+        self.length = self.length + max_length if max_length < 0 else min(self.length, max_length)
+
+
+def _mark_static(tensors) -> None:
+    for tensor in tensors:
+        if tensor is not None:
+            torch._dynamo.mark_static_address(tensor)

@@ -1,0 +1,192 @@
+"""Loading recipes: ``load_recipe`` (a YAML file, a mapping or a ``Recipe``, plus ``dotted.key=value``
+overrides parsed as YAML), plugin-name checks against the registry, and the schema's
+introspection (``recipe_keys``, ``describe`` for ``--explain``)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from specter.config.recipe import AUTO_LINK, Recipe
+from specter.config.schema import check_bounded, display_key, _error, _from_mapping, _hints, _join, _plain, _plain_data, _schema_fields, _Section, _show, _suggest, _type_label, _type_name, _type_word
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_recipe(
+    source: str | Path | Mapping[str, Any] | Recipe,
+    overrides: Sequence[str] = (),
+    *,
+    check_plugins: bool = True,
+    source_dir: str | Path | None = None,
+) -> Recipe:
+    """Read a recipe from a YAML file path or a mapping, apply ``key=value`` overrides, validate.
+
+    A ``Recipe`` source is re-validated with the overrides and keeps its recipe directory (which
+    ``load_recipe(recipe.to_dict())`` would lose, breaking relative paths).
+
+    Override values are parsed with ``yaml.safe_load`` (``0.25`` is a float, ``true`` a bool,
+    ``[a, b]`` a list, ``2GiB`` a string); keys under an ``options`` mapping are free-form. With
+    ``check_plugins`` the names of the plugins the engine uses must be registered. ``source_dir``
+    is where relative paths of a mapping source are looked up (after the current directory).
+    """
+    if isinstance(source, Recipe):
+        raw: Any = source.to_dict()
+        source_dir = source.source_dir
+    elif isinstance(source, Mapping):
+        check_bounded(source)
+        raw = copy.deepcopy(dict(source))
+        source_dir = Path(source_dir) if source_dir is not None else None
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        raw = _read_yaml(path)
+        source_dir = path.resolve().parent
+    else:
+        got = _type_name(source)
+        raise _error("recipe", f"expected a path or a mapping, got {got}; allowed: a YAML file path")
+    if raw is None:
+        raw = {}
+    check_bounded(raw)
+    if not isinstance(raw, Mapping):
+        known = ", ".join(f.name for f in _schema_fields(Recipe))
+        raise _error(
+            "recipe",
+            f"the top level must be a mapping of keys to values, got {_type_name(raw)} {_show(raw)}; "
+            f"allowed keys: {known}",
+        )
+    raw = dict(raw)
+    for item in [overrides] if isinstance(overrides, str) else overrides:
+        _apply_override(raw, item)
+    recipe = _from_mapping(Recipe, raw, source_dir=source_dir)
+    if check_plugins:
+        check_plugin_names(recipe)
+    return recipe
+
+
+def check_plugin_names(recipe: Recipe) -> None:
+    """Raise ``UnknownPluginError`` (naming the recipe key) for an unregistered plugin the run uses.
+
+    ``offload.link.kind: auto`` is not a plugin but a choice the engine makes, so it passes.
+    """
+    from specter.plugins import registry
+
+    plugins = registry()
+    for choice in recipe.plugins_used():
+        if (choice.kind, choice.name) != ("link", AUTO_LINK):
+            plugins.get(choice.kind, choice.name, key=choice.key)
+
+
+def _read_yaml(path: Path) -> Any:
+    shown = _plain(str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise _error("recipe", f"no such file: {shown}; allowed: a path to a YAML recipe") from None
+    except IsADirectoryError:
+        raise _error("recipe", f"{shown} is a directory; allowed: a path to a YAML recipe") from None
+    except UnicodeDecodeError:
+        raise _error("recipe", f"{shown} is not UTF-8 text; allowed: a YAML recipe") from None
+    except (OSError, ValueError) as exc:
+        raise _error("recipe", f"cannot read {shown}: {exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark is not None else shown
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise _error("recipe", f"{where}: invalid YAML: {' '.join(str(problem).split())}") from None
+
+
+def _apply_override(raw: dict[str, Any], item: object) -> None:
+    """Set ``dotted.key=value`` in the raw recipe mapping, checking the key against the schema."""
+    if not isinstance(item, str) or "=" not in item:
+        raise _error(
+            display_key(item),
+            "an override must look like dotted.key=value (for example offload.expert_budget=0.25); "
+            "allowed keys: see --explain",
+        )
+    dotted, text = item.split("=", 1)
+    dotted = dotted.strip()
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        shown = _show(text)
+        raise _error(display_key(dotted), f"cannot parse override value {shown} as YAML: {problem}") from None
+    parts = dotted.split(".")
+    section: type | None = Recipe
+    node = raw
+    for depth, part in enumerate(parts):
+        path = ".".join(display_key(p) for p in parts[: depth + 1])
+        last = depth == len(parts) - 1
+        hint: Any = None
+        if section is not None:
+            known = {f.name: f for f in _schema_fields(section)}
+            if part not in known:
+                parent = section._path
+                raise _error(
+                    path,
+                    f"unknown key (in override {_show(item)}); {_suggest(part, list(known), parent)}"
+                    f"allowed keys{' under ' + parent if parent else ''}: {', '.join(known)}",
+                )
+            hint = _hints(section)[part]
+        if last:
+            node[part] = value
+            return
+        if section is not None and isinstance(hint, type) and issubclass(hint, _Section):
+            next_section: type | None = hint
+        elif section is None or hint is dict:
+            next_section = None
+        else:
+            raise _error(path, f"takes a single value, not sub-keys (in override {_show(item)}); "
+                               f"allowed: {path}=VALUE")
+        child = node.get(part)
+        if isinstance(child, _Section):
+            child = child.to_dict()
+        elif child is None:
+            child = {}
+        elif isinstance(child, Mapping):
+            child = dict(child)
+        else:
+            raise _error(path, f"expected a mapping, got {_type_name(child)} {_show(child)} "
+                               f"(in override {_show(item)}); allowed: a mapping")
+        node[part] = child
+        node, section = child, next_section
+
+
+# ----------------------------------------------------------------------------- introspection
+
+
+def _leaves(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
+    found = []
+    for f in _schema_fields(cls):
+        key = _join(prefix, f.name)
+        hint = _hints(cls)[f.name]
+        if isinstance(hint, type) and issubclass(hint, _Section):
+            found.extend(_leaves(hint, key))
+        else:
+            found.append((key, f, hint))
+    return found
+
+
+def recipe_keys() -> list[str]:
+    """Every leaf key of the schema as a dotted path, in schema order."""
+    return [key for key, _, _ in _leaves(Recipe)]
+
+
+def describe() -> str:
+    """Every recipe key with its type, default and doc (what ``specter.run --explain`` prints)."""
+    lines = []
+    for key, f, hint in _leaves(Recipe):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        label = f.metadata["type_name"] or _type_label(hint)
+        allowed = f.metadata["allowed"] or _type_word(hint)
+        lines.append(f"{key}: {label} = {json.dumps(_plain_data(default))}")
+        lines.append(f"    {f.metadata['doc']}. Allowed: {allowed}.")
+    return "\n".join(lines)

@@ -1,0 +1,320 @@
+"""Engines: one object per (model, strategy) that turns prompts into tokens and a report.
+
+Contract: ``build_engine(recipe)`` loads the recipe's model the way its engine needs it and
+returns an ``Engine``; ``engine.generate(prompts)`` (texts or token-id lists) returns a
+``GenerationResult`` with texts, token ids and the ``specter.report/1`` report. Engines:
+
+- ``resident``: every weight on the device; the model's own experts implementation (the speed limit).
+- ``ondemand``: dense weights on the device, experts in a host store, an LRU (or any policy)
+  device cache of experts loaded on a miss, no prefetch (mixtral-offloading's strategy).
+- ``hf-offload``: the external baseline, transformers + accelerate offloading (CUDA: experts that
+  do not fit the budget stay in host memory; CPU: they go to accelerate's disk offload); built by
+  ``specter.decode.hf_offload``.
+
+All engines share the decoding loop, metrics and report code so comparisons are fair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from specter.memory.stats import CacheStats
+from specter.errors import SpecterError
+from specter.experts.runtime import ExpertRuntime, install
+from specter.decode.kv import forward_logits, new_kv_cache, synchronize
+from specter.report.metrics import GenerationMetrics
+from specter.decode.sampling import SamplingParams, sample
+
+ProgressCallback = Callable[[int, int, int], None]  # (prompt index, prompts, tokens so far)
+TokensCallback = Callable[[int, list[int]], None]  # (prompt index, new token ids so far)
+StepCallback = Callable[[list[int]], None]  # decode_prompt's hook: the new token ids so far
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    token_ids: list[list[int]]
+    prompt_ids: list[list[int]]
+    report: dict = field(default_factory=dict)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Engine:
+    """Base: owns the model and tokenizer; subclasses say how one prompt is decoded."""
+
+    name = "base"
+    compilable = False  # whether specter.compile can run its steps (its model math is the model's own)
+
+    def __init__(self, recipe, model, tokenizer, device: torch.device, model_path) -> None:
+        self.recipe = recipe
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.model_path = model_path
+        self.sampling = SamplingParams(
+            temperature=recipe.sampling.temperature, top_p=recipe.sampling.top_p, top_k=recipe.sampling.top_k
+        )
+        self.eos_token_id = getattr(model.generation_config, "eos_token_id", None)
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
+
+    # --- the model call: eager, or the compiled step functions (specter.compile.decoder) -------------
+    compiled = None  # a specter.compile.decoder.CompiledDecoder when the recipe says compile: true
+
+    def forward_logits(self, input_ids: torch.Tensor, kv) -> torch.Tensor:
+        """The model over new token ids [1, T], appending to ``kv``: fp32 logits [T, V]."""
+        if self.compiled is not None:
+            return self.compiled.forward_logits(input_ids, kv)
+        return forward_logits(self.model, input_ids, kv)
+
+    def new_kv_cache(self):
+        return self.compiled.new_kv_cache() if self.compiled is not None else new_kv_cache(self.model)
+
+    # --- what subclasses provide -------------------------------------------------------------
+    def prefill(self, prompt_ids: list[int], kv, generator, metrics: GenerationMetrics) -> int:
+        """Run the target over the prompt; returns the first new token."""
+        started = time.perf_counter()
+        logits = self.forward_logits(torch.tensor([prompt_ids], device=self.device), kv)
+        token = int(sample(logits[-1], self.sampling, generator))
+        synchronize(self.device)
+        metrics.observe_prefill(len(prompt_ids), time.perf_counter() - started)
+        return token
+
+    def decode_prompt(
+        self, prompt_ids: list[int], max_new_tokens: int, generator, metrics, on_step: StepCallback | None
+    ) -> list[int]:
+        """The one decoding loop of every engine: prefill, then rounds (``decode_round``) until
+        max_new_tokens or EOS. ``on_step`` sees the new tokens after the prefill and after every
+        round; an exception it raises stops decoding and propagates."""
+        kv = self.new_kv_cache()
+        self.start_prompt()
+        token = self.prefill(prompt_ids, kv, generator, metrics)
+        new_tokens = [token]
+        if on_step is not None:
+            on_step(new_tokens)
+        while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
+            started = time.perf_counter()
+            emitted = self.decode_round(token, kv, generator, metrics, max_new_tokens - len(new_tokens),
+                                        prompt_ids + new_tokens)
+            if self.eos_token_id in emitted:
+                emitted = emitted[: emitted.index(self.eos_token_id) + 1]
+            emitted = emitted[: max_new_tokens - len(new_tokens)]
+            synchronize(self.device)
+            metrics.observe_decode_step(len(emitted), time.perf_counter() - started)
+            new_tokens.extend(emitted)
+            token = new_tokens[-1]
+            if on_step is not None:
+                on_step(new_tokens)
+        return new_tokens
+
+    def start_prompt(self) -> None:
+        """A new prompt begins (predictors that track positions start over)."""
+
+    def decode_round(self, token: int, kv, generator, metrics, remaining: int, context: list[int]) -> list[int]:
+        """One round after ``token`` (the last committed token; ``context`` is every token so
+        far): the tokens it emits, at least one. Plain decoding: one target step."""
+        self.begin_round()
+        logits = self.forward_logits(torch.tensor([[token]], device=self.device), kv)
+        self.end_round()
+        return [int(sample(logits[-1], self.sampling, generator))]
+
+    def engine_report(self) -> dict:
+        """Engine-specific report fields (cache, link, budget); the base fills the rest."""
+        return {}
+
+    def begin_round(self) -> None:
+        """Called before every target step (a plain decode step or a speculation round)."""
+
+    def end_round(self) -> None:
+        """Called after the target step's forward pass."""
+
+    def reset_counters(self) -> None:
+        """Forget cache/link counters (not contents) so a report covers one ``generate`` call."""
+
+    # --- shared ------------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SpecterError(f"model: {self.model_path} ships no tokenizer; pass token ids instead of text")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return ids or [self.tokenizer.bos_token_id or 0]
+        return [int(t) for t in prompt]
+
+    @property
+    def context_length(self) -> int | None:
+        """The most positions the model takes (``max_position_embeddings``), None if it says none."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+    def check_context(self, prompt_ids: Sequence[int], max_new_tokens: int, label: str = "prompt") -> None:
+        """Refuse, before any work, a prompt whose length plus ``max_new_tokens`` exceeds the
+        model's context length (the speculative round's k draft positions are cut to fit)."""
+        limit = self.context_length
+        if not prompt_ids:
+            raise SpecterError(f"{label}: empty after tokenisation")
+        if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+            raise SpecterError(
+                f"{label}: {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} = "
+                f"{len(prompt_ids) + max_new_tokens} positions exceed the model's context length {limit}; "
+                f"shorten the prompt or lower max_new_tokens"
+            )
+
+    def decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int | None = None,
+        progress: ProgressCallback | None = None, *, sampling: SamplingParams | None = None,
+        seed: int | None = None, on_tokens: TokensCallback | None = None,
+    ) -> GenerationResult:
+        """Generate for each prompt in turn. ``max_new_tokens``, ``sampling`` and ``seed`` override
+        the recipe's for this call; ``on_tokens(prompt index, new ids so far)`` is called after the
+        prefill and after every decoding step (streaming), and an exception it raises stops the
+        call (cancellation) and propagates."""
+        from specter.report.schema import build_report
+
+        max_new = self.recipe.max_new_tokens if max_new_tokens is None else check_max_new_tokens(max_new_tokens)
+        generator = torch.Generator(device=self.device).manual_seed(self.recipe.seed if seed is None else int(seed))
+        recipe_sampling, self.sampling = self.sampling, sampling or self.sampling
+        metrics = GenerationMetrics()
+        self.reset_counters()
+        compile_before = self.compiled.snapshot() if self.compiled is not None else None
+        encoded = [self.encode(prompt) for prompt in prompts]
+        for index, prompt_ids in enumerate(encoded):
+            self.check_context(prompt_ids, max_new, f"prompt {index + 1}")
+        all_prompt_ids, all_new = [], []
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for index, prompt_ids in enumerate(encoded):
+                    on_step = self._step_hook(index, len(prompts), progress, on_tokens)
+                    new_ids = self.decode_prompt(prompt_ids, max_new, generator, metrics, on_step)
+                    all_prompt_ids.append(prompt_ids)
+                    all_new.append(new_ids)
+        finally:
+            self.sampling = recipe_sampling
+        metrics.wall_s = time.perf_counter() - started
+        texts = [self.decode_text(ids) for ids in all_new]
+        result = GenerationResult(texts=texts, token_ids=all_new, prompt_ids=all_prompt_ids)
+        result.report = build_report(self, metrics, result)
+        result.report["compile"] = self.compiled.report(compile_before) if self.compiled is not None else None
+        return result
+
+    @staticmethod
+    def _step_hook(
+        index: int, total: int, progress: ProgressCallback | None, on_tokens: TokensCallback | None
+    ) -> StepCallback | None:
+        if progress is None and on_tokens is None:
+            return None
+
+        def on_step(new_tokens: list[int]) -> None:
+            if progress is not None:
+                progress(index, total, len(new_tokens))
+            if on_tokens is not None:
+                on_tokens(index, new_tokens)
+
+        return on_step
+
+    def close(self) -> None:
+        pass
+
+
+def check_max_new_tokens(value) -> int:
+    """The API's check of a per-call ``max_new_tokens``: an integer >= 1 (as the recipe requires)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecterError(f"max_new_tokens: must be an integer >= 1, got {value!r}")
+    return value
+
+
+class ResidentEngine(Engine):
+    compilable = True
+
+    name = "resident"
+
+    def engine_report(self) -> dict:
+        from specter.model.layout import moe_layers
+
+        layers = moe_layers(self.model)
+        expert_tensors = [getattr(m.experts, n) for m in layers for n in m.param_names]
+        expert_bytes = tensor_bytes(expert_tensors)
+        dense = tensor_bytes(self.model.parameters()) + tensor_bytes(self.model.buffers()) - expert_bytes
+        n_experts = sum(m.num_experts for m in layers)
+        return {
+            "expert_budget": {"experts": n_experts, "bytes": expert_bytes, "fraction": 1.0},
+            "device_bytes": {"draft": None, "cache": expert_bytes, "dense": dense, "total": dense + expert_bytes},
+        }
+
+
+def subtract_stats(a: CacheStats, b: CacheStats) -> CacheStats:
+    return CacheStats(**{f.name: getattr(a, f.name) - getattr(b, f.name) for f in dataclasses.fields(CacheStats)})
+
+
+def add_stats(a: CacheStats, b: CacheStats) -> CacheStats:
+    return CacheStats(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(CacheStats)})
+
+
+class OffloadedEngine(Engine):
+    """Dense weights on the device, experts in a host store, a budgeted device cache of experts."""
+
+    name = "ondemand"
+    compilable = True
+
+    def __init__(self, recipe, model, tokenizer, device, model_path, layers, store, cache, link) -> None:
+        super().__init__(recipe, model, tokenizer, device, model_path)
+        self.layers, self.store, self.cache, self.link = layers, store, cache, link
+        self.runtime = ExpertRuntime(layers, cache)
+        self.prefill_stats = CacheStats()
+        install(model, self.runtime)
+
+    def reset_counters(self) -> None:
+        self.cache.stats = CacheStats()
+        self.prefill_stats = CacheStats()
+        self.link.reset_counters()
+
+    def prefill(self, prompt_ids, kv, generator, metrics) -> int:
+        before = dataclasses.replace(self.cache.stats)
+        token = super().prefill(prompt_ids, kv, generator, metrics)
+        self.prefill_stats = add_stats(self.prefill_stats, subtract_stats(self.cache.stats, before))
+        return token
+
+    def decode_stats(self) -> CacheStats:
+        """Cache counters of the decode steps only (prefill streams experts through the slots and
+        would make hit rates depend on prompt length)."""
+        return subtract_stats(self.cache.stats, self.prefill_stats)
+
+    def engine_report(self) -> dict:
+        stats = self.decode_stats()
+        dense = tensor_bytes(self.model.parameters()) + tensor_bytes(self.model.buffers())
+        total_experts = len(self.store.layers) * self.store.n_experts
+        return {
+            "expert_budget": {
+                "experts": self.cache.capacity,
+                "bytes": self.cache.bytes,
+                "fraction": self.cache.capacity / total_experts,
+            },
+            "device_bytes": {"draft": None, "cache": self.cache.bytes, "dense": dense, "total": dense + self.cache.bytes},
+            "hit_rate": stats.hit_rate(),
+            "bytes_transferred": stats.bytes_transferred + self.prefill_stats.bytes_transferred,
+            "decode_bytes_transferred": stats.bytes_transferred,
+            "transfer_wait_s": stats.transfer_wait_s,
+            "cache": {"policy": self.recipe.offload.cache_policy.name, "decode": stats.as_dict(),
+                      "prefill": self.prefill_stats.as_dict()},
+        }
+
+    def use_link(self, link) -> None:
+        """Move expert bytes over ``link`` from now on (transfers in flight finish on the old one,
+        which is then closed); the cache keeps its contents."""
+        self.cache.drain()
+        old, self.link, self.cache.link = self.link, link, link
+        old.close()
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,65 @@
+"""The governor contract: who picks k, the number of tokens drafted per speculative step.
+
+Contract: the engine creates one governor per run through the plugin registry
+(``registry().create("governor", name, options, k=..., n_experts=..., top_k=...)``; factories
+take the context keywords they name, see ``specter.plugins``), then alternates ``next_k()``
+before each round and ``observe(drafted, accepted, **timings)`` after each verification.
+``next_k`` returns an int in ``0..MAX_K``; 0 means a plain decoding round (one target step, with
+router-lookahead prefetch); anything else makes the engine stop with an error naming the
+governor (``check_next_k``). ``accepted`` counts accepted draft tokens (the bonus token
+excluded), so ``0 <= accepted <= drafted``. ``timings`` are the round's measured phases:
+``draft_s``, ``flush_s``, ``verify_s`` (its transfer wait included), ``verify_io_wait_s``,
+``host_s``, ``round_s`` (seconds) and ``draft_steps``, ``experts_read`` (counts); a governor
+ignores names it does not use. A governor may offer ``summary() -> dict`` for the report.
+Built-ins (``specter.decode.governors``): ``fixed`` (always k) and ``roofline``
+(``specter.decode.roofline``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from specter.config.recipe import MAX_K
+
+__all__ = ["MAX_K", "Governor", "check_k", "check_next_k", "check_observation"]
+
+
+class Governor(ABC):
+    """Picks the draft length of the next speculative step from what past steps showed.
+
+    ``k_max``: the largest k ``next_k`` will return (compiled verification is sized to it)."""
+
+    name: str = "governor"
+    k_max: int = MAX_K
+
+    @abstractmethod
+    def next_k(self) -> int:
+        """Draft tokens for the next round, in ``0..MAX_K`` (0: a plain decoding round)."""
+
+    @abstractmethod
+    def observe(self, drafted: int, accepted: int, **timings: float) -> None:
+        """Record one verified step: ``accepted`` of ``drafted`` draft tokens were kept."""
+
+
+def check_k(k: object) -> int:
+    """Return ``k`` if it is an int in ``1..MAX_K``; raise ``ValueError`` otherwise."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be an integer in 1..{MAX_K}, got {k!r}")
+    return k
+
+
+def check_next_k(k: object, governor: object) -> int:
+    """``k`` if it is an int in ``0..MAX_K``; else ``SpecterError`` naming the governor."""
+    from specter.errors import SpecterError
+
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
+        name = getattr(governor, "name", type(governor).__name__)
+        raise SpecterError(f"speculation.governor: governor {name!r} returned k={k!r} from next_k(); "
+                           f"a governor must return an integer in 0..{MAX_K}")
+    return k
+
+
+def check_observation(drafted: int, accepted: int) -> None:
+    """Raise ``ValueError`` unless ``0 <= accepted <= drafted`` (both ints)."""
+    if not (isinstance(drafted, int) and isinstance(accepted, int) and 0 <= accepted <= drafted):
+        raise ValueError(f"need 0 <= accepted <= drafted, got drafted={drafted!r}, accepted={accepted!r}")

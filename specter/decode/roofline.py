@@ -1,0 +1,251 @@
+"""The ``roofline`` governor: picks k each round from an amortization roofline calibrated online.
+
+Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
+- Tokens per round with k drafts: ``1 + E[accepted(k)]``, ``E[accepted(k)] = sum_{i<=k} prod_{j<=i}
+  p_j`` with ``p_j`` the acceptance at draft position j, an exponential moving average: a round
+  that kept a of k drafts observes 1 at positions 1..a and 0 at position a+1. A position seen
+  fewer than 20 times uses the average over all positions instead.
+- Round time: ``T(k) = host + steps(k) * t_draft + V(k + 1)``. ``t_draft`` is the moving average of
+  one draft step (``steps(k) = k + 1`` with the routing-only step, 0 for k = 0); ``V(T)`` is the
+  flush + verification time of a width-T pass, transfer waits included, so the link's bandwidth,
+  the cache and streaming are all in it as they are on this machine. A memory-bound verification
+  costs a fixed part plus a part per distinct expert it reads, so for T >= 2 ``V(T) = a + b *
+  distinct(T)`` (``distinct_experts``: T tokens of top-k routing over E experts), the line fitted
+  (weighted least squares, ``a, b >= 0``) through the moving averages of the drafted widths
+  measured so far; a plain round (T = 1: no draft to hide transfers behind) keeps its own
+  average. Before any drafted width is measured, widths scale from T = 1 by distinct experts;
+  with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being
+  estimated as ``t_draft / draft_ratio``.
+- ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
+  (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set).
+  k = 0 is plain decoding for that round. Now and then it tries a neighbour of its choice (k = 1
+  when speculation is off) so that estimates stay fresh and it notices when conditions change:
+  after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
+  most 8 x ``probe_every``), back to ``probe_every`` when the choice changes, and two rounds
+  after a probe whose first draft token was accepted (or rejected) against the odds. The first
+  rounds visit k0, 0, 1 and 2 to calibrate.
+- ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
+  ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored.
+- ``table()`` gives, for every k, the expected accepted tokens, predicted round time and tokens/s;
+  ``predicted_round_s`` is the prediction for the k last returned (None while calibrating).
+Switching speculation off (k = 0 chosen, not probed) or back on is logged once per switch
+(logger ``specter.governor``).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+from specter.decode.governor import Governor
+
+log = logging.getLogger("specter.governor")
+ACCEPTANCE_EMA = 0.1  # per observed draft position
+MIN_POSITION_SAMPLES = 20
+SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
+MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
+
+
+def distinct_experts(tokens: int, n_experts: int, top_k: int) -> float:
+    """Expected distinct experts of one layer read by ``tokens`` tokens routed top-k uniformly."""
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+
+
+def fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Weighted least squares ``y = a + b x`` over (x, y, weight) points with ``a, b >= 0``; with
+    one distinct x, or when the free fit breaks the signs, the line through the origin."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(w * x for x, _, w in points) / total
+    mean_y = sum(w * y for _, y, w in points) / total
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    if spread > 1e-12 * max(mean_x, 1.0) ** 2:
+        slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread
+        intercept = mean_y - slope * mean_x
+        if slope >= 0 and intercept >= 0:
+            return intercept, slope
+        if slope < 0:
+            return mean_y, 0.0
+    through_origin = sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)
+    return 0.0, through_origin
+
+
+class Ema:
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.value: float | None = None
+
+    def update(self, sample: float) -> None:
+        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
+
+
+class RooflineGovernor(Governor):
+    name = "roofline"
+
+    def __init__(self, k: int = 4, k_max: int = 8, n_experts: int = 16, top_k: int = 2, ema: float = 0.25,
+                 probe_every: int = 12, max_latency_ms: float | None = None, prior_acceptance: float = 0.8,
+                 draft_ratio: float = 0.5) -> None:
+        if not 1 <= k_max <= 16 or not 0 <= k <= k_max:
+            raise ValueError(f"roofline governor: need 0 <= k <= k_max <= 16, got k={k}, k_max={k_max}")
+        self.k_max, self.k0 = k_max, k
+        self.n_experts, self.top_k = n_experts, top_k
+        self.weight, self.probe_every, self.max_latency_ms = ema, probe_every, max_latency_ms
+        self.draft_ratio = draft_ratio
+        self.acceptance = [Ema(ACCEPTANCE_EMA) for _ in range(k_max + 1)]  # index j: position j (1-based)
+        self.pooled = Ema(ACCEPTANCE_EMA)
+        self.observed = [0] * (k_max + 1)
+        self.prior_acceptance = prior_acceptance
+        self.draft_step = Ema(ema)
+        self.host = Ema(ema)
+        self.verify: dict[int, Ema] = {}  # width T -> flush + verify seconds
+        self.verify_count: dict[int, int] = {}
+        self.rounds = 0
+        self.last_k: int | None = None
+        self.predicted_round_s: float | None = None
+        self.history: list[dict] = []  # per round: k, probe, predicted and measured seconds
+        self._speculating: bool | None = None
+        self._calibration = list(dict.fromkeys([k, 0, 1, min(2, k_max)]))
+        self._interval, self._next_probe, self._probes, self._last_best = probe_every, probe_every, 0, None
+
+    # ----- the model --------------------------------------------------------------------------
+
+    def position_acceptance(self, j: int) -> float:
+        """p_j: the position's own average once it has ``MIN_POSITION_SAMPLES`` observations, else
+        the average over all positions (the prior before any observation)."""
+        if self.observed[j] >= MIN_POSITION_SAMPLES:
+            return self.acceptance[j].value
+        return self.pooled.value if self.pooled.value is not None else self.prior_acceptance
+
+    def expected_accepted(self, k: int) -> float:
+        total, run = 0.0, 1.0
+        for j in range(1, k + 1):
+            run *= self.position_acceptance(j)
+            total += run
+        return total
+
+    def verify_s(self, width: int) -> float | None:
+        """Predicted flush + verify seconds of a width-T pass. A plain round (T = 1, nothing
+        drafted, so no transfer hidden behind a draft) is its own moving average. Speculative
+        widths follow ``a + b * distinct(T)``, the line through their per-width averages, each
+        weighted by its sample count (capped), so that one lucky or unlucky width cannot make the
+        roofline jagged."""
+        u = lambda t: distinct_experts(t, self.n_experts, self.top_k)  # noqa: E731
+        seen = {t: e.value for t, e in self.verify.items() if e.value is not None}
+        if width == 1 and 1 in seen:
+            return seen[1]
+        drafted = [(u(t), v, min(self.verify_count[t], MIN_POSITION_SAMPLES)) for t, v in seen.items() if t > 1]
+        if drafted:
+            intercept, slope = fit_line(drafted)
+            return intercept + slope * u(width)
+        if seen:
+            return seen[1] * u(width) / u(1)
+        if self.draft_step.value is None:
+            return None
+        return self.draft_step.value / self.draft_ratio * u(width) / u(1)
+
+    def round_s(self, k: int) -> float | None:
+        verify = self.verify_s(k + 1)
+        if verify is None:
+            return None
+        steps = k + 1 if k else 0
+        return (self.host.value or 0.0) + steps * (self.draft_step.value or 0.0) + verify
+
+    def table(self) -> list[dict]:
+        rows = []
+        for k in range(self.k_max + 1):
+            accepted = self.expected_accepted(k)
+            seconds = self.round_s(k)
+            rows.append({"k": k, "expected_accepted": accepted, "predicted_round_s": seconds,
+                         "predicted_tokens_per_s": (1 + accepted) / seconds if seconds else None})
+        return rows
+
+    def best_k(self) -> int | None:
+        best, best_rate = None, -1.0
+        for row in self.table():
+            rate = row["predicted_tokens_per_s"]
+            if rate is None:
+                return None
+            if self.max_latency_ms is not None and 1e3 / rate > self.max_latency_ms and best is not None:
+                continue
+            if rate > best_rate:
+                best, best_rate = row["k"], rate
+        return best
+
+    # ----- the governor contract --------------------------------------------------------------
+
+    def next_k(self) -> int:
+        probe = False
+        if self._calibration:
+            k = self._calibration.pop(0)
+            probe = True
+        else:
+            best = self.best_k()
+            k = self.k0 if best is None else best
+            if best != self._last_best:  # conditions moved: look around more often again
+                self._interval, self._last_best = self.probe_every, best
+            if self.rounds >= self._next_probe:
+                self._next_probe = self.rounds + self._interval
+                self._interval = min(self._interval * 2, MAX_PROBE_BACKOFF * self.probe_every)
+                self._probes += 1
+                k = 1 if k == 0 else k + (1 if self._probes % 2 else -1)
+                k = max(0, min(self.k_max, k))
+                probe = True
+            elif best is not None:
+                self._announce(best)
+        self.last_k = k
+        self.predicted_round_s = self.round_s(k)
+        self.history.append({"k": k, "probe": probe, "predicted_round_s": self.predicted_round_s, "measured_round_s": None})
+        return k
+
+    def _announce(self, k: int) -> None:
+        speculating = k > 0
+        if self._speculating is not None and speculating != self._speculating:
+            if speculating:
+                log.warning("roofline governor: speculation pays again (k=%d)", k)
+            else:
+                log.warning("roofline governor: speculation does not pay here; decoding plainly (k=0), probing now and then")
+        self._speculating = speculating
+
+    def observe(self, drafted: int, accepted: int, **timings: float) -> None:
+        self.rounds += 1
+        if self.history and self.history[-1]["probe"] and drafted and not self._calibration:
+            expected = self.position_acceptance(1)
+            if abs(min(accepted, 1) - expected) > SURPRISE:  # the draft behaves unlike its estimate
+                self._interval, self._next_probe = self.probe_every, self.rounds + 2
+        for j in range(1, min(drafted, self.k_max) + 1):
+            self.observed[j] += 1
+            outcome = 1.0 if j <= accepted else 0.0
+            self.acceptance[j].update(outcome)
+            self.pooled.update(outcome)
+            if not outcome:
+                break
+        steps = int(timings.get("draft_steps", 0) or 0)
+        if steps and "draft_s" in timings:
+            self.draft_step.update(timings["draft_s"] / steps)
+        if "verify_s" in timings:
+            width = drafted + 1
+            self.verify.setdefault(width, Ema(self.weight)).update(timings["verify_s"] + timings.get("flush_s", 0.0))
+            self.verify_count[width] = self.verify_count.get(width, 0) + 1
+        if "host_s" in timings:
+            self.host.update(max(0.0, timings["host_s"]))
+        if self.history and "round_s" in timings:
+            entry = self.history[-1]
+            entry["measured_round_s"] = timings["round_s"]
+            if entry["k"] != drafted:  # the engine shortened the round (end of generation)
+                entry["probe"] = True
+
+    def summary(self) -> dict:
+        """The report's governor entry: the roofline table, the k chosen per round, and how far
+        the predicted round times were from the measured ones."""
+        per_k = {}
+        for k in sorted({h["k"] for h in self.history}):
+            pairs = [(h["predicted_round_s"], h["measured_round_s"]) for h in self.history
+                     if h["k"] == k and h["predicted_round_s"] and h["measured_round_s"] and not h["probe"]]
+            if pairs:
+                predicted = statistics.median(p for p, _ in pairs)
+                measured = statistics.median(m for _, m in pairs)
+                per_k[str(k)] = {"rounds": len(pairs), "predicted_s": predicted, "measured_s": measured,
+                                 "error": abs(predicted - measured) / measured}
+        main = max(per_k.values(), key=lambda row: row["rounds"], default=None)
+        return {"name": self.name, "k_max": self.k_max, "table": self.table(),
+                "trace": [h["k"] for h in self.history], "probes": sum(h["probe"] for h in self.history),
+                "prediction": per_k, "prediction_error": main["error"] if main else None}

@@ -1,0 +1,247 @@
+"""Speculative engines: ``specter`` (INT4 self-draft + lookahead prefetch) and ``router-lookahead``.
+
+Contract of one ``specter`` round (batch 1, one shared ``DynamicCache``):
+1. The governor picks k (k = 0: a plain decoding round, one target step with router-lookahead
+   prefetch, as the ``router-lookahead`` engine does). The draft — the same model with its routed experts switched to the
+   resident INT4 copies; attention, norms, routers, embeddings and KV cache are the target's own
+   — runs k steps from the last emitted token, appending temporary KV entries. Its routing at
+   every (position, layer) fills the scheduler's lookahead buffer and prefetches start at once.
+   With ``lookahead_last`` one more draft step runs over the k-th drafted token for its routing
+   only, so every one of the k+1 verified positions has a prediction.
+2. The scheduler flushes every remaining predicted expert; the KV cache is cropped back to the
+   round's start.
+3. The target runs once over the k+1 tokens (last emitted token + k drafts), experts from the
+   device cache (misses load on demand), tokens routed to the same expert computed together.
+4. Greedy: the longest prefix matching the target's argmax plus the target's next token.
+   Sampling: exact rejection sampling against the draft's probabilities, so the output follows
+   the target's distribution. The KV cache is cropped to the accepted length.
+The ``router-lookahead`` engine decodes one token per target step and prefetches layer L+1's
+experts from layer L's hidden state (no draft).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from specter.decode.acceptance import greedy_verify, rejection_verify
+from specter.decode.engine import OffloadedEngine
+from specter.experts.runtime import SlotView
+from specter.decode.kv import crop_to, synchronize
+from specter.decode.governor import check_next_k
+from specter.plugins import call_plugin
+from specter.kernels.int4_experts import Int4Experts
+from specter.decode.sampling import logits_to_probs
+from specter.memory.scheduler import PrefetchScheduler
+
+
+def build_draft(layers, store, device: torch.device, group_size: int) -> dict[int, Int4Experts]:
+    """INT4 copies of every MoE layer's routed experts, resident on ``device``, quantized one layer
+    at a time from the host store (only one layer's full-precision experts visit the device)."""
+    draft = {}
+    for info in layers:
+        weights = {name: tensor.to(device) for name, tensor in store.stacked(info.layer).items()}
+        proxy = SlotView(info.experts, weights)
+        draft[info.layer] = Int4Experts.from_module(proxy, group_size=group_size)
+        for name in weights:
+            if not name.endswith("_bias"):
+                object.__setattr__(proxy, name, None)
+        del weights
+    return draft
+
+
+class PrefetchingEngine(OffloadedEngine):
+    """An offloaded engine with a predictor feeding a prefetch scheduler."""
+
+    def __init__(self, *args, predictor, max_in_flight: int = 2, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scheduler = PrefetchScheduler(self.cache, max_in_flight=max_in_flight)
+        self.predictor = predictor
+        self.predictor.bind(self.scheduler, self.runtime.layers)
+        self.runtime.observers.append(self._advance)
+        self.runtime.observers.append(self._observe_prediction)
+        self.prediction_failure: str | None = None
+        self._used: set[tuple[int, int]] = set()
+        self.runtime.observers.append(self._record_use)
+
+    def _observe_prediction(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
+        if self.prediction_failure is None:
+            self.guarded(self.predictor.observe, layer, hidden, top_k_index, top_k_weights, mode)
+
+    def guarded(self, call, *args, fallback=None):
+        """Call the predictor; if it raises, switch prediction off for the rest of the run (one
+        warning, the report says why) and return ``fallback``: decoding goes on, losslessly,
+        with on-demand loads where prefetches would have been."""
+        if self.prediction_failure is not None:
+            return fallback
+        try:
+            return call(*args)
+        except Exception as error:
+            name = getattr(self.predictor, "name", type(self.predictor).__name__)
+            self.prediction_failure = f"predictor {name!r} raised {type(error).__name__}: {error}"
+            warnings.warn(f"{self.prediction_failure}; prediction is off for the rest of this run",
+                          RuntimeWarning, stacklevel=2)
+            self.scheduler.begin_round()  # drop whatever it had predicted
+            self.cache.unprotect_all()
+            return fallback
+
+    def _advance(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
+        if mode == "target":
+            self.scheduler.advance(layer)
+
+    def _record_use(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
+        if mode == "target":
+            self._used.update((layer, e) for e in top_k_index.unique().tolist())
+
+    def begin_round(self) -> None:
+        self._used = set()
+        self.scheduler.begin_round()
+
+    def end_round(self) -> None:
+        self.scheduler.end_round(self._used)
+
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.scheduler.stats = type(self.scheduler.stats)()
+
+    def engine_report(self) -> dict:
+        report = super().engine_report()
+        stats = self.scheduler.stats
+        report["prefetch_precision"] = self.cache.stats.prefetch_precision() if self.cache.stats.prefetch_issued else None
+        report["prediction"] = {
+            "predictor": self.predictor.name,
+            "recall": stats.recall(), "precision": stats.precision(),
+            "cached_at_prediction": stats.cached_at_prediction,
+            "issued_while_drafting": stats.issued_while_drafting, "issued_at_flush": stats.issued_at_flush,
+            "streamed": stats.streamed, "not_admitted": stats.not_admitted,
+            "disabled": self.prediction_failure,
+        }
+        return report
+
+
+class RouterLookaheadEngine(PrefetchingEngine):
+    """Plain decoding; each step's MoE layer L prefetches layer L+1's predicted experts."""
+
+    name = "router-lookahead"
+
+
+class SpecterEngine(PrefetchingEngine):
+    name = "specter"
+
+    def __init__(self, *args, draft: dict[int, Int4Experts], governor, plain_predictor,
+                 lookahead_last: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.runtime.draft = draft
+        self.draft = draft
+        self.governor = governor
+        self.lookahead_last = lookahead_last and self.predictor.needs_draft
+        # k = 0 rounds decode plainly; then layer L's router predicts layer L+1 (as router-lookahead)
+        self._plain_round = False
+        self.plain_predictor = plain_predictor  # router-lookahead, from the registry
+        self.plain_predictor.bind(self.scheduler, self.runtime.layers)
+        self.runtime.observers.append(self._plain_observe)
+
+    def _plain_observe(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
+        if self._plain_round:
+            self.plain_predictor.observe(layer, hidden, top_k_index, top_k_weights, mode)
+
+    @property
+    def draft_bytes(self) -> int:
+        """Device bytes of the resident INT4 draft experts."""
+        return sum(d.nbytes for d in self.draft.values())
+
+    def engine_report(self) -> dict:
+        report = super().engine_report()
+        device_bytes = report["device_bytes"]
+        device_bytes["draft"] = self.draft_bytes
+        device_bytes["total"] += self.draft_bytes
+        report["draft"] = {"bits": 4, "group_size": next(iter(self.draft.values())).group_size,
+                           "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.lookahead_last}
+        summary = getattr(self.governor, "summary", None)
+        report["governor"] = summary() if callable(summary) else {"name": getattr(self.governor, "name", None)}
+        return report
+
+    def _draft_steps(self, k: int) -> int:
+        """Draft forward passes for k drafted tokens: k, plus the routing-only one (lookahead_last)."""
+        return k + (1 if self.lookahead_last and k else 0)
+
+    def _draft_tokens(self, token: int, k: int, kv, generator, context: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """k drafted tokens and, when sampling, their draft probabilities [k, V]. A predictor with a
+        ``propose(context, k)`` method (e.g. ``ngram``) drafts instead of the INT4 model; its
+        proposals are deterministic, so their draft distribution is one-hot."""
+        if self.predictor.drafts_tokens:
+            proposed = self.guarded(self.predictor.propose, context, k, fallback=[])
+            vocab = self.model.config.vocab_size
+            drafted = [int(t) for t in proposed if 0 <= int(t) < vocab][:k]
+            if self.sampling.greedy or not drafted:
+                return drafted, None
+            return drafted, torch.nn.functional.one_hot(torch.tensor(drafted), vocab).float().to(self.device)
+        drafted: list[int] = []
+        probs: list[torch.Tensor] = []
+        steps = self._draft_steps(k)
+        with self.runtime.drafting():
+            current = token
+            for step in range(steps):
+                logits = self.forward_logits(torch.tensor([[current]], device=self.device), kv)[-1]
+                if step == k:
+                    break  # routing-only step over the last drafted token
+                if self.sampling.greedy:
+                    current = int(logits.argmax())
+                else:
+                    q = logits_to_probs(logits, self.sampling)
+                    current = int(torch.multinomial(q, 1, generator=generator))
+                    probs.append(q)
+                drafted.append(current)
+        return drafted, (torch.stack(probs) if probs else None)
+
+    def start_prompt(self) -> None:
+        self.guarded(self.predictor.reset)
+
+    def decode_round(self, token: int, kv, generator, metrics, remaining: int, context: list[int]) -> list[int]:
+        """One speculative round: draft k (the governor's choice, at most ``remaining - 1``),
+        flush the prefetches, verify the k+1 tokens in one target pass, keep the accepted ones."""
+        started = time.perf_counter()
+        k = min(check_next_k(call_plugin("governor", self.governor, "next_k"), self.governor), remaining - 1)
+        base_length = kv.get_seq_length()
+        self._plain_round = k == 0
+        self.begin_round()
+        issue_before = self.scheduler.issue_s
+        drafted, draft_probs = self._draft_tokens(token, k, kv, generator, context)
+        draft_issue_s = self.scheduler.issue_s - issue_before
+        k = len(drafted)
+        crop_to(kv, base_length)
+        synchronize(self.device)
+        drafted_at = time.perf_counter()
+        self.scheduler.flush()
+        flushed_at = time.perf_counter()
+        wait_before = self.cache.stats.transfer_wait_s
+        verify_ids = torch.tensor([[token] + drafted], device=self.device)  # [1, k+1]
+        target_logits = self.forward_logits(verify_ids, kv)  # [k+1, V]
+        synchronize(self.device)
+        verified_at = time.perf_counter()
+        experts_read = len(self._used)
+        self.end_round()
+        if self.sampling.greedy:
+            result = greedy_verify(torch.tensor(drafted, dtype=torch.long, device=target_logits.device), target_logits)
+        else:
+            target_probs = logits_to_probs(target_logits, self.sampling)
+            draft_tokens = torch.tensor(drafted, dtype=torch.long, device=target_probs.device)
+            if draft_probs is None:
+                draft_probs = target_probs[:0]
+            result = rejection_verify(draft_tokens, draft_probs.to(target_probs.device), target_probs, generator)
+        crop_to(kv, base_length + 1 + result.accepted)
+        self.guarded(self.predictor.rollback, kv.get_seq_length())
+        synchronize(self.device)
+        total = time.perf_counter() - started
+        timings = dict(draft_s=drafted_at - started, flush_s=flushed_at - drafted_at,
+                       verify_s=verified_at - flushed_at,
+                       draft_steps=0 if self.predictor.drafts_tokens else self._draft_steps(k),
+                       experts_read=experts_read, draft_issue_s=draft_issue_s,
+                       verify_io_wait_s=self.cache.stats.transfer_wait_s - wait_before)
+        timings["host_s"] = total - timings["draft_s"] - timings["flush_s"] - timings["verify_s"]
+        metrics.observe_round(total_s=total, verify_tokens=k + 1, **timings)
+        metrics.observe_draft(k, result.accepted)
+        call_plugin("governor", self.governor, "observe", drafted=k, accepted=result.accepted, round_s=total, **timings)
+        return result.tokens

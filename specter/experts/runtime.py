@@ -1,0 +1,161 @@
+"""The experts implementation Specter registers with transformers, and the runtime behind it.
+
+Contract:
+- ``install(model, runtime)`` registers the ``"specter"`` experts implementation
+  (``transformers.integrations.moe.ExpertsInterface``) and points every routed-experts module of
+  the model at ``runtime``; ``uninstall(model)`` restores the model's previous implementation.
+- ``ExpertRuntime.forward(layer, module, hidden [T,H], top_k_index [T,k], top_k_weights [T,k])``
+  computes one MoE layer. In ``target`` mode the full-precision experts come from device cache
+  slots (loaded on demand when missing); in ``draft`` mode from the layer's resident INT4 copy.
+  Every call first reports the routing to the runtime's observers (predictors, metrics).
+- Slot computation reuses transformers' own grouped-GEMM expert math
+  (``grouped_mm_experts_forward``) over the slot tensors, with expert ids remapped to slot ids, so
+  its arithmetic is the model's own and greedy tokens stay identical to the resident model.
+- When a layer needs more distinct experts than the cache has slots (a long prefill), the experts
+  are streamed through the slots in chunks; chunk outputs are summed per token.
+- Outside inference mode with inputs that require grad, a layer computes from a copy of its slots
+  (autograd saves the weights, and a later load would overwrite a slot), so gradients reach the
+  inputs; the offloaded expert weights themselves are frozen. The forward is opaque to a user's
+  ``torch.compile`` (``torch.compiler.disable``): a graph break, no guards on cache state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Protocol
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+from specter.model.layout import MoELayer
+
+IMPLEMENTATION_NAME = "specter"
+RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, str], None]
+"""(layer, hidden [T,H], top_k_index [T,k], top_k_weights [T,k], mode "target" | "draft")"""
+
+
+@torch.compiler.disable  # a user's torch.compile must not trace (and guard on) the cache's bookkeeping
+def _specter_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    runtime = getattr(self, "_specter_runtime", None)
+    if runtime is None:  # a module Specter does not manage: behave like the default implementation
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return runtime.forward(self._specter_layer, self, hidden_states, top_k_index, top_k_weights)
+
+
+def register_implementation() -> None:
+    if IMPLEMENTATION_NAME not in ExpertsInterface._global_mapping:
+        ExpertsInterface.register(IMPLEMENTATION_NAME, _specter_experts_forward)
+
+
+class SlotView(nn.Module):
+    """Stands in for an experts module inside ``grouped_mm_experts_forward``: same flags, gate and
+    activation as the real module, but its stacked tensors are the cache's slot buffers."""
+
+    def __init__(self, module: nn.Module, slots: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_module", module)
+        self.num_experts = next(iter(slots.values())).shape[0]
+        for flag in ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm"):
+            setattr(self, flag, getattr(module, flag))
+        self._is_expert_parallel = False
+        self.act_fn = getattr(module, "act_fn", None)
+        self.post_expert_norm = getattr(module, "post_expert_norm", None)
+        for name, buffer in slots.items():
+            object.__setattr__(self, name, buffer)
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return self._module._apply_gate(gate_up_out)
+
+
+class DraftExperts(Protocol):
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor: ...
+
+
+class ExpertRuntime:
+    """Serves every MoE layer of one model from an ExpertCache (target) or INT4 experts (draft)."""
+
+    def __init__(self, layers: list[MoELayer], cache, draft: dict[int, DraftExperts] | None = None) -> None:
+        self.layers = {m.layer: m for m in layers}
+        self.cache = cache
+        self.draft = draft or {}
+        self.mode = "target"
+        self.observers: list[RoutingObserver] = []
+        self._views = {m.layer: SlotView(m.experts, cache.slots) for m in layers} if cache is not None else {}
+
+    @contextlib.contextmanager
+    def drafting(self) -> Iterator[None]:
+        previous, self.mode = self.mode, "draft"
+        try:
+            yield
+        finally:
+            self.mode = previous
+
+    def forward(
+        self, layer: int, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        for observe in self.observers:
+            observe(layer, hidden, top_k_index, top_k_weights, self.mode)
+        if self.mode == "draft":
+            return self.draft[layer].forward(hidden, top_k_index, top_k_weights)
+        return self._forward_from_slots(layer, module, hidden, top_k_index, top_k_weights)
+
+    def _forward_from_slots(
+        self, layer: int, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        needed = top_k_index.unique().tolist()
+        capacity = self.cache.capacity
+        view = self._views[layer]
+        if len(needed) <= capacity:
+            return self._compute_chunk(layer, view, needed, hidden, top_k_index, top_k_weights)
+        output = torch.zeros_like(hidden)
+        for start in range(0, len(needed), capacity):
+            chunk = needed[start : start + capacity]
+            in_chunk = torch.isin(top_k_index, torch.tensor(chunk, device=top_k_index.device))  # [T, k]
+            rows = in_chunk.any(dim=-1).nonzero().squeeze(-1)
+            weights = torch.where(in_chunk[rows], top_k_weights[rows], torch.zeros_like(top_k_weights[rows]))
+            # pairs outside the chunk are pointed at the chunk's first expert with weight 0
+            index = torch.where(in_chunk[rows], top_k_index[rows], torch.full_like(top_k_index[rows], chunk[0]))
+            partial = self._compute_chunk(layer, view, chunk, hidden[rows], index, weights)
+            output.index_add_(0, rows, partial)
+        return output
+
+    def _compute_chunk(
+        self, layer: int, view: SlotView, experts: list[int], hidden: torch.Tensor,
+        top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        slots = self.cache.acquire(layer, experts)
+        try:
+            lookup = torch.zeros(self.layers[layer].num_experts, dtype=top_k_index.dtype, device=top_k_index.device)
+            slot_ids = torch.tensor(slots, dtype=lookup.dtype, device=lookup.device)
+            if torch.is_grad_enabled() and hidden.requires_grad:
+                # autograd keeps the weights for backward, and a later load overwrites the slot:
+                # compute from a copy of the slots this layer uses
+                view = SlotView(self.layers[layer].experts,
+                                {name: buffer.index_select(0, slot_ids) for name, buffer in self.cache.slots.items()})
+                slot_ids = torch.arange(len(slots), dtype=lookup.dtype, device=lookup.device)
+            lookup[torch.tensor(experts, device=lookup.device)] = slot_ids
+            return grouped_mm_experts_forward(view, hidden, lookup[top_k_index], top_k_weights)
+        finally:
+            self.cache.release(layer, experts)
+
+
+def install(model: nn.Module, runtime: ExpertRuntime) -> None:
+    register_implementation()
+    model._specter_previous_experts_implementation = model.config._experts_implementation
+    for info in runtime.layers.values():
+        info.experts._specter_runtime = runtime
+        info.experts._specter_layer = info.layer
+    model.set_experts_implementation(IMPLEMENTATION_NAME)
+
+
+def uninstall(model: nn.Module) -> None:
+    previous = getattr(model, "_specter_previous_experts_implementation", None)
+    for module in model.modules():
+        if hasattr(module, "_specter_runtime"):
+            del module._specter_runtime
+            del module._specter_layer
+    if previous is not None:
+        model.set_experts_implementation(previous)

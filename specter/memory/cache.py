@@ -1,0 +1,405 @@
+"""ExpertCache: a fixed number of device slots holding full-precision experts, and their table.
+
+Contract:
+- Device memory is allocated once: ``slots[name]`` is ``[n_slots, *per_expert_shape]`` for every
+  parameter name of the store. Contents change, shapes never; ``bytes == n_slots * expert_bytes``.
+- A slot is FREE, LOADING (a ``Transfer`` is in flight into it) or READY. A key ``(layer, expert)``
+  occupies at most one slot and a slot holds at most one key.
+- ``slot_table`` (``[len(store.layers), n_experts]`` long, on the device, row = position of the
+  layer in ``store.layers``) holds the slot of every READY key and -1 elsewhere, so compiled code
+  can read slots without the host.
+- ``acquire(layer, experts)`` returns the slots of those experts, in order, READY and pinned: every
+  copy into them is complete, and no eviction or prefetch touches them until ``release``. Misses
+  are loaded on demand, evicting (through the policy) unpinned keys: FREE slots first, then
+  unprotected READY keys, then protected ones, then keys still loading (after waiting for them).
+  More distinct experts than ``capacity`` raise ``BudgetError``; so do more misses than there are
+  unpinned slots (a caller holding earlier steps' slots).
+- ``prefetch`` never blocks and never evicts a pinned, protected or loading key.
+- All state lives on the caller's thread. A link may complete transfers on another thread; the
+  cache only reads ``Transfer.done()`` there, promoting finished LOADING slots in ``poll()``.
+- Faults: every wait on a transfer has a deadline (``transfer_timeout_s``); a transfer still
+  incomplete then ends the run with a ``SpecterError`` naming the expert and the link (a stalled
+  link). A transfer whose copy failed, or (with ``verify_copies``) whose bytes arrived wrong
+  (checksums of the slot against the host store), is reloaded once by a direct copy from the store
+  (``stats.reloads``) with one warning per run; a reload that is wrong too, or more than
+  ``MAX_RELOADS`` of them in one cache's life, is a ``SpecterError`` naming the link.
+
+Counting (``CacheStats``), per distinct key of each ``acquire``: a *hit* needed no new transfer
+(the key was READY or LOADING), a *miss* started a demand load. ``prefetch_used`` counts prefetched
+keys acquired before eviction (``prefetch_late`` those still loading then), ``prefetch_wasted``
+those evicted unused. Hence ``hits + misses == acquired_keys``, ``misses == demand_loads`` and
+``bytes_transferred == (demand_loads + prefetch_issued) * expert_bytes``. ``preload`` is a warm
+start and is not counted.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from specter.errors import BudgetError, SpecterError
+from specter.memory.stats import CacheStats
+from specter.plugins import call_plugin
+from specter.memory.link import Link, Transfer, TransferTimeout, copy_all, wait_for
+from specter.policies.base import CachePolicy, ExpertKey
+from specter.memory.store import ExpertStore
+
+
+MAX_RELOADS = 16  # faulty copies one cache repairs from its store before calling the link broken
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(tensors: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
+    """A cheap content checksum: the integer sum of each tensor's raw words (bit flips, zeroed or
+    stale bytes change it with overwhelming likelihood)."""
+    return tuple(int(t.contiguous().view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64))
+                 for _, t in sorted(tensors.items()))
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    LOADING = "loading"
+    READY = "ready"
+
+
+class ExpertCache:
+    def __init__(
+        self,
+        store: ExpertStore,
+        n_slots: int,
+        device: torch.device | str,
+        link: Link,
+        policy: CachePolicy,
+        transfer_timeout_s: float | None = 60.0,
+        verify_copies: bool = False,
+    ) -> None:
+        if n_slots < 1:
+            raise BudgetError(f"offload.expert_budget: the cache needs at least 1 slot, got {n_slots}")
+        self.store = store
+        self.n_slots = n_slots
+        self.device = torch.device(device)
+        self.link = link
+        self.policy = policy
+        self.transfer_timeout_s = transfer_timeout_s
+        self.verify_copies = verify_copies
+        self.total_reloads = 0
+        self._checksums: dict[ExpertKey, tuple[int, ...]] = {}
+        self.stats = CacheStats()
+        self.slots: dict[str, torch.Tensor] = {
+            name: torch.empty((n_slots, *shape), dtype=store.dtype, device=self.device)
+            for name, shape in store.param_shapes.items()
+        }
+        self._row = {layer: row for row, layer in enumerate(store.layers)}
+        self.slot_table = torch.full(
+            (len(store.layers), store.n_experts), -1, dtype=torch.long, device=self.device
+        )
+        self._key_in: list[ExpertKey | None] = [None] * n_slots
+        self._state: list[SlotState] = [SlotState.FREE] * n_slots
+        self._pins: list[int] = [0] * n_slots
+        self._slot_of: dict[ExpertKey, int] = {}
+        self._loading: dict[int, Transfer] = {}
+        self._protected: set[ExpertKey] = set()
+        self._unused_prefetches: set[ExpertKey] = set()
+
+    # ----- sizes and queries -------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """The most distinct experts one ``acquire`` may ask for."""
+        return self.n_slots
+
+    @property
+    def bytes(self) -> int:
+        return self.n_slots * self.store.expert_bytes
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers issued and not yet complete (polls first)."""
+        self.poll()
+        return len(self._loading)
+
+    def contains(self, key: ExpertKey) -> bool:
+        return key in self._slot_of
+
+    def is_ready(self, key: ExpertKey) -> bool:
+        self.poll()
+        slot = self._slot_of.get(key)
+        return slot is not None and self._state[slot] is SlotState.READY
+
+    def resident_keys(self) -> list[ExpertKey]:
+        """Keys in a slot, READY or LOADING, sorted."""
+        return sorted(self._slot_of)
+
+    def slot_of(self, key: ExpertKey) -> int | None:
+        return self._slot_of.get(key)
+
+    def key_in(self, slot: int) -> ExpertKey | None:
+        return self._key_in[slot]
+
+    def state(self, slot: int) -> SlotState:
+        return self._state[slot]
+
+    def pin_count(self, slot: int) -> int:
+        return self._pins[slot]
+
+    def pinned_keys(self) -> set[ExpertKey]:
+        return {k for s, k in enumerate(self._key_in) if k is not None and self._pins[s] > 0}
+
+    def protected_keys(self) -> frozenset[ExpertKey]:
+        return frozenset(self._protected)
+
+    def slot_views(self, slot: int) -> dict[str, torch.Tensor]:
+        return {name: buffer[slot] for name, buffer in self.slots.items()}
+
+    # ----- the step's side ---------------------------------------------------------------------
+
+    def acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
+        keys = list(dict.fromkeys(self._key(layer, int(e)) for e in experts))
+        if len(keys) > self.capacity:
+            raise BudgetError(
+                f"a step of layer {layer} needs {len(keys)} distinct experts but the cache holds "
+                f"{self.capacity}; acquire them in chunks of at most {self.capacity}"
+            )
+        self.poll()
+        present = [k for k in keys if k in self._slot_of]
+        missing = [k for k in keys if k not in self._slot_of]
+        present_slots = {self._slot_of[k] for k in present}
+        claimable = sum(
+            1 for s in range(self.n_slots) if self._pins[s] == 0 and s not in present_slots
+        )
+        if len(missing) > claimable:
+            raise BudgetError(
+                f"layer {layer} needs {len(missing)} new experts but only {claimable} of "
+                f"{self.n_slots} slots are unpinned; release earlier steps first"
+            )
+        to_wait: list[int] = []
+        for key in present:
+            slot = self._slot_of[key]
+            self._pins[slot] += 1
+            if key in self._unused_prefetches:
+                self._unused_prefetches.discard(key)
+                self.stats.prefetch_used += 1
+                if self._state[slot] is SlotState.LOADING:
+                    self.stats.prefetch_late += 1
+            if self._state[slot] is SlotState.LOADING:
+                to_wait.append(slot)
+            call_plugin("cache_policy", self.policy, "on_access", key)
+        for key in missing:
+            slot = self._claim_slot_for_demand()
+            self._start_load(key, slot)
+            self._pins[slot] += 1
+            self.stats.demand_loads += 1
+            call_plugin("cache_policy", self.policy, "on_access", key)
+            to_wait.append(slot)
+        for slot in to_wait:
+            self._finish_load(slot)
+        self.stats.acquired_keys += len(keys)
+        self.stats.hits += len(present)
+        self.stats.misses += len(missing)
+        return [self._slot_of[self._key(layer, int(e))] for e in experts]
+
+    def release(self, layer: int, experts: Sequence[int]) -> None:
+        keys = list(dict.fromkeys(self._key(layer, int(e)) for e in experts))
+        slots = []
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None or self._pins[slot] == 0:
+                raise SpecterError(f"release of expert {key} that is not acquired")
+            slots.append(slot)
+        for slot in slots:
+            self._pins[slot] -= 1
+            if self._pins[slot] == 0:
+                self.link.release_slot(slot)
+
+    # ----- the scheduler's side ----------------------------------------------------------------
+
+    def prefetch(self, layer: int, expert: int, score: float = 0.0) -> bool:
+        """Start loading ``(layer, expert)`` if absent and room can be made without blocking or
+        evicting a pinned or protected key; whether a transfer was issued."""
+        key = self._key(layer, int(expert))
+        if key in self._slot_of:
+            return False
+        self.poll()
+        slot = self._first_free_slot()
+        if slot is None:
+            candidates = self._evictable(protected_too=False)
+            if not candidates:
+                return False
+            victim = call_plugin("cache_policy", self.policy, "choose_victim", candidates)
+            self._check_victim(victim, candidates)
+            if not call_plugin("cache_policy", self.policy, "admit_prefetch", key, score, victim):
+                return False
+            slot = self._evict(victim)
+        self._start_load(key, slot)
+        self.stats.prefetch_issued += 1
+        self._unused_prefetches.add(key)
+        return True
+
+    def protect(self, keys: Iterable[ExpertKey]) -> None:
+        """Keys the next step needs: prefetches will not evict them (demand loads still may)."""
+        self._protected.update((int(layer), int(e)) for layer, e in keys)
+
+    def spare_slots(self) -> int:
+        """Slots a prefetch could take now: FREE ones and READY, unpinned, unprotected ones."""
+        return self._state.count(SlotState.FREE) + len(self._evictable(protected_too=False))
+
+    def unprotect(self, keys: Iterable[ExpertKey]) -> None:
+        self._protected.difference_update((int(layer), int(e)) for layer, e in keys)
+
+    def unprotect_all(self) -> None:
+        self._protected.clear()
+
+    def poll(self) -> None:
+        """Promote every LOADING slot whose transfer has completed to READY."""
+        for slot in [s for s, t in self._loading.items() if t.done()]:
+            self._finish_load(slot)
+
+    def drain(self) -> None:
+        """Wait for every transfer in flight (counted as transfer wait)."""
+        for slot in list(self._loading):
+            self._finish_load(slot)
+
+    def preload(self, keys: Iterable[ExpertKey]) -> None:
+        """Fill slots synchronously (warm start); evicts unpinned keys if needed. Not counted."""
+        for layer, expert in keys:
+            key = self._key(int(layer), int(expert))
+            if key in self._slot_of:
+                continue
+            slot = self._first_free_slot()
+            if slot is None:
+                candidates = self._evictable(protected_too=True)
+                if not candidates:
+                    raise BudgetError(f"preload of {key}: every one of the {self.n_slots} slots is pinned")
+                slot = self._evict(call_plugin("cache_policy", self.policy, "choose_victim", candidates), counted=False)
+            for name, tensor in self.store.expert(*key).items():
+                self.slots[name][slot].copy_(tensor)
+            self._occupy(key, slot)
+            self._mark_ready(slot)
+
+    # ----- internals ---------------------------------------------------------------------------
+
+    def _key(self, layer: int, expert: int) -> ExpertKey:
+        if layer not in self._row:
+            raise SpecterError(f"layer {layer} is not an MoE layer of this model (have {self.store.layers})")
+        if not 0 <= expert < self.store.n_experts:
+            raise SpecterError(f"expert {expert} out of range 0..{self.store.n_experts - 1}")
+        return (layer, expert)
+
+    def _first_free_slot(self) -> int | None:
+        for slot, state in enumerate(self._state):
+            if state is SlotState.FREE:
+                return slot
+        return None
+
+    def _evictable(self, protected_too: bool) -> list[ExpertKey]:
+        """READY, unpinned keys (and protected ones only when asked)."""
+        return [
+            key for slot, key in enumerate(self._key_in)
+            if key is not None
+            and self._state[slot] is SlotState.READY
+            and self._pins[slot] == 0
+            and (protected_too or key not in self._protected)
+        ]
+
+    def _claim_slot_for_demand(self) -> int:
+        slot = self._first_free_slot()
+        if slot is not None:
+            return slot
+        candidates = self._evictable(protected_too=False) or self._evictable(protected_too=True)
+        if not candidates:
+            for loading in [s for s in self._loading if self._pins[s] == 0]:
+                self._finish_load(loading)
+            candidates = self._evictable(protected_too=False) or self._evictable(protected_too=True)
+        if not candidates:
+            raise BudgetError("no unpinned slot left for a demand load")
+        victim = call_plugin("cache_policy", self.policy, "choose_victim", candidates)
+        self._check_victim(victim, candidates)
+        return self._evict(victim)
+
+    @staticmethod
+    def _check_victim(victim: ExpertKey, candidates: Sequence[ExpertKey]) -> None:
+        if victim not in candidates:
+            raise SpecterError(f"cache policy chose {victim}, which is not among the evictable keys")
+
+    def _evict(self, victim: ExpertKey, counted: bool = True) -> int:
+        slot = self._slot_of.pop(victim)
+        assert self._pins[slot] == 0 and self._state[slot] is SlotState.READY
+        self._key_in[slot] = None
+        self._state[slot] = SlotState.FREE
+        self.slot_table[self._row[victim[0]], victim[1]] = -1
+        if counted:
+            self.stats.evictions += 1
+            if victim in self._unused_prefetches:
+                self.stats.prefetch_wasted += 1
+        self._unused_prefetches.discard(victim)
+        call_plugin("cache_policy", self.policy, "on_evict", victim)
+        return slot
+
+    def _occupy(self, key: ExpertKey, slot: int) -> None:
+        assert self._state[slot] is SlotState.FREE and self._key_in[slot] is None
+        self._key_in[slot] = key
+        self._slot_of[key] = slot
+        call_plugin("cache_policy", self.policy, "on_insert", key)
+
+    def _start_load(self, key: ExpertKey, slot: int) -> None:
+        self._occupy(key, slot)
+        self._state[slot] = SlotState.LOADING
+        try:
+            self._loading[slot] = self.link.submit(self.slot_views(slot), self.store.expert(*key), slot)
+        except SpecterError:
+            raise
+        except Exception as error:
+            raise SpecterError(f"offload.link.kind: link {self.link.kind!r} failed to start the copy of expert "
+                               f"{key}: {type(error).__name__}: {error}") from error
+        self.stats.bytes_transferred += self.store.expert_bytes
+
+    def _finish_load(self, slot: int) -> None:
+        """Wait for the slot's transfer (if still loading), check it, and mark it READY."""
+        transfer = self._loading.pop(slot, None)
+        if transfer is None:
+            return
+        key = self._key_in[slot]
+        try:
+            self.stats.transfer_wait_s += wait_for(transfer, self.transfer_timeout_s)
+        except TransferTimeout:
+            raise SpecterError(
+                f"offload.transfer_timeout_s: the copy of expert {key} over link {self.link.kind!r} did not "
+                f"complete within {self.transfer_timeout_s:g} s; the link is stalled"
+            ) from None
+        except Exception as error:
+            self._reload(slot, f"link {self.link.kind!r} failed copying expert {key}: {type(error).__name__}: {error}")
+        else:
+            if self.verify_copies and not self._intact(slot):
+                self._reload(slot, f"expert {key} arrived wrong over link {self.link.kind!r} (checksum mismatch)")
+        self._mark_ready(slot)
+
+    def _reload(self, slot: int, why: str) -> None:
+        """Copy the slot's expert straight from the host store, once."""
+        key = self._key_in[slot]
+        assert key is not None
+        self.stats.reloads += 1
+        self.total_reloads += 1
+        if self.total_reloads > MAX_RELOADS:
+            raise SpecterError(f"{why}; {MAX_RELOADS} reloads already, the link is broken")
+        if self.total_reloads == 1:
+            warnings.warn(f"{why}; reloaded it directly from the store (further faults are counted in the report "
+                          f"as cache reloads)", RuntimeWarning, stacklevel=2)
+        copy_all(self.slot_views(slot), self.store.expert(*key))
+        if self.verify_copies and not self._intact(slot):
+            raise SpecterError(f"{why}; the reload from the store is wrong too")
+
+    def _intact(self, slot: int) -> bool:
+        key = self._key_in[slot]
+        assert key is not None
+        if key not in self._checksums:
+            self._checksums[key] = checksum(self.store.expert(*key))
+        return checksum(self.slot_views(slot)) == self._checksums[key]
+
+    def _mark_ready(self, slot: int) -> None:
+        key = self._key_in[slot]
+        assert key is not None
+        self._state[slot] = SlotState.READY
+        self.slot_table[self._row[key[0]], key[1]] = slot

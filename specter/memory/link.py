@@ -1,0 +1,134 @@
+"""The link contract: how expert bytes move from the host ExpertStore into device cache slots.
+
+Contract: ``Link.submit(dst, src, slot)`` starts copying every tensor of ``src`` into the tensor of
+the same name in ``dst`` (the views of cache slot ``slot``) and returns a ``Transfer``.
+``Transfer.done()`` never blocks; ``Transfer.wait(timeout=None)`` blocks until the copy is
+complete *and visible to the caller's compute*, returning the seconds it blocked (0.0 when it was
+already done; calling it again is harmless), or raises ``TransferTimeout`` when ``timeout``
+seconds pass first; a copy that failed raises its error from ``wait``. ``wait_for(transfer,
+timeout)`` applies a deadline to any transfer, also one whose ``wait`` takes no timeout (that
+wait then runs on a watchdog thread). ``Link.release_slot(slot)`` says compute no longer reads the
+slot, so a later copy into it must not overtake those reads. ``close()`` frees the link's
+resources; submitting afterwards is an error. ``copy_all`` and ``CompletedTransfer`` serve link
+authors; the built-in links are in ``specter.memory.links``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from abc import ABC, abstractmethod
+from typing import Mapping
+
+import torch
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+class Transfer(ABC):
+    """One copy in flight. ``nbytes``: the bytes it moves. A link may complete it on another
+    thread; the cache only calls ``done()`` and ``wait()`` from its own."""
+
+    nbytes: int
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the copy has completed; never blocks."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> float:
+        """Block until the copy is complete; return the seconds spent blocked. With ``timeout``,
+        raise ``TransferTimeout`` if it is not complete by then."""
+
+
+class Link(ABC):
+    """Moves expert bytes host -> device slot (see the module docstring for the contract).
+
+    ``kind`` names the plugin in reports; ``gbps``/``latency_us`` describe the link where it
+    knows them (None otherwise); ``emulated`` must be True when its timing is paced rather than
+    real, so reports label its figures. Factories are offered ``device`` (the engine's device)
+    and receive ``offload.link.options`` (and ``gbps``/``latency_us`` for ``emulated``)."""
+
+    kind: str = ""
+    gbps: float | None = None
+    latency_us: float | None = None
+    emulated: bool = False
+
+    @abstractmethod
+    def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
+        """Start copying ``src[name]`` into ``dst[name]`` for every name of ``src``."""
+
+    def release_slot(self, slot: int) -> None:
+        """Compute has stopped reading ``slot``; links with asynchronous compute order on it."""
+
+    def close(self) -> None:
+        """Release the link's resources."""
+
+    def reset_counters(self) -> None:
+        """Forget counters that ``describe`` reports, so a report covers one ``generate`` call."""
+
+    def describe(self) -> dict[str, object]:
+        """The link's entry in a report."""
+        return {"kind": self.kind, "gbps": self.gbps, "latency_us": self.latency_us,
+                "emulated": self.emulated}
+
+
+def transfer_nbytes(src: Tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in src.values())
+
+
+def copy_all(dst: Tensors, src: Tensors, non_blocking: bool = False) -> None:
+    for name, tensor in src.items():
+        dst[name].copy_(tensor, non_blocking=non_blocking)
+
+
+class CompletedTransfer(Transfer):
+    """A transfer that finished before ``submit`` returned."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> float:
+        return 0.0
+
+
+class TransferTimeout(TimeoutError):
+    """A transfer did not complete within its deadline."""
+
+
+_TAKES_TIMEOUT: dict[type, bool] = {}
+
+
+def wait_for(transfer: Transfer, timeout: float | None) -> float:
+    """``transfer.wait()`` with a deadline of ``timeout`` seconds (None: none): the seconds
+    blocked, or ``TransferTimeout``."""
+    if timeout is None or transfer.done():
+        return transfer.wait()
+    cls = type(transfer)
+    if cls not in _TAKES_TIMEOUT:
+        try:
+            _TAKES_TIMEOUT[cls] = "timeout" in inspect.signature(transfer.wait).parameters
+        except (TypeError, ValueError):
+            _TAKES_TIMEOUT[cls] = False
+    if _TAKES_TIMEOUT[cls]:
+        return transfer.wait(timeout=timeout)
+    # a wait without a deadline of its own (it may be what completes the copy): a watchdog thread
+    outcome: dict[str, object] = {}
+
+    def wait() -> None:
+        try:
+            outcome["blocked"] = transfer.wait()
+        except BaseException as error:  # handed back to the caller below
+            outcome["error"] = error
+
+    watchdog = threading.Thread(target=wait, name="specter-transfer-wait", daemon=True)
+    watchdog.start()
+    watchdog.join(timeout)
+    if watchdog.is_alive():
+        raise TransferTimeout(f"not complete after {timeout:g} s")
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return float(outcome["blocked"])  # type: ignore[arg-type]

@@ -1,0 +1,189 @@
+"""The built-in links (the contract is ``specter.memory.link``).
+
+Built-ins, registered through the ``register_links`` hook:
+- ``local``: a synchronous copy, no pacing (the device is the host, or pacing is not wanted).
+- ``emulated``: real copies done in FIFO order by a worker thread, each completing no earlier than
+  ``max(submit, previous completion) + latency_us * 1e-6 + nbytes / (gbps * 1e9)``: a serial link
+  of the configured bandwidth and latency, so a CPU reproduces the I/O-bound regime of a
+  PCIe-attached accelerator. Its figures must be labelled emulated (``Link.emulated``).
+- ``cuda``: asynchronous copies on a side stream from pinned host memory, one event per transfer.
+- ``disk``: reads of experts straight from the checkpoint on a pool of threads
+  (``specter.memory.disk_store``; recipes with ``offload.experts_on: disk``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from specter.errors import SpecterError
+from specter.hookspecs import Register, hookimpl
+from specter.memory.disk_store import DiskLink
+from specter.memory.link import (
+    CompletedTransfer, Link, Tensors, Transfer, TransferTimeout, copy_all, transfer_nbytes,
+)
+
+class LocalLink(Link):
+    kind = "local"
+
+    def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
+        copy_all(dst, src)
+        return CompletedTransfer(transfer_nbytes(src))
+
+
+class ThreadTransfer(Transfer):
+    """Completed by a worker thread; the only object that thread shares with the caller."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> float:
+        if self._finished.is_set():
+            blocked = 0.0
+        else:
+            start = time.perf_counter()
+            if not self._finished.wait(timeout):
+                raise TransferTimeout(f"not complete after {timeout:g} s")
+            blocked = time.perf_counter() - start
+        if self._error is not None:
+            raise SpecterError(f"expert transfer failed: {self._error}") from self._error
+        return blocked
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._finished.set()
+
+
+_STOP = object()
+
+
+class EmulatedLink(Link):
+    kind = "emulated"
+    emulated = True
+
+    def __init__(self, gbps: float, latency_us: float = 0.0) -> None:
+        if not gbps or gbps <= 0:
+            raise SpecterError(f"link.gbps: must be > 0 for an emulated link, got {gbps!r}")
+        if latency_us < 0:
+            raise SpecterError(f"link.latency_us: must be >= 0, got {latency_us!r}")
+        self.gbps = float(gbps)
+        self.latency_us = float(latency_us)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._worker = threading.Thread(target=self._serve, name="specter-emulated-link", daemon=True)
+        self._worker.start()
+
+    def duration_s(self, nbytes: int) -> float:
+        """The time the emulated wire is busy with one transfer of ``nbytes``."""
+        assert self.latency_us is not None and self.gbps is not None
+        return self.latency_us * 1e-6 + nbytes / (self.gbps * 1e9)
+
+    def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
+        if self._closed:
+            raise SpecterError("submit on a closed emulated link")
+        transfer = ThreadTransfer(transfer_nbytes(src))
+        self._queue.put((transfer, dst, src, time.perf_counter()))
+        return transfer
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._worker.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._worker.is_alive()
+
+    def _serve(self) -> None:
+        previous_completion = 0.0
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            transfer, dst, src, submitted = item
+            due = max(submitted, previous_completion) + self.duration_s(transfer.nbytes)
+            try:
+                copy_all(dst, src)
+            except BaseException as error:  # handed to the caller through wait()
+                transfer._finish(error)
+                previous_completion = time.perf_counter()
+                continue
+            while (remaining := due - time.perf_counter()) > 0:
+                time.sleep(remaining)
+            transfer._finish()
+            previous_completion = time.perf_counter()
+
+
+class CudaTransfer(Transfer):
+    def __init__(self, event: "torch.cuda.Event", nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self._event = event
+        self._device = device
+
+    def done(self) -> bool:
+        return self._event.query()
+
+    def wait(self, timeout: float | None = None) -> float:
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+        if self._event.query():
+            return 0.0
+        start = time.perf_counter()
+        if timeout is None:
+            self._event.synchronize()
+        else:
+            while not self._event.query():
+                if time.perf_counter() - start > timeout:
+                    raise TransferTimeout(f"not complete after {timeout:g} s")
+                time.sleep(2e-5)
+        return time.perf_counter() - start
+
+
+class CudaLink(Link):
+    """Copies on a side stream; compute orders after a copy through ``Transfer.wait`` and copies
+    order after compute's last read of their slot through ``release_slot``."""
+
+    kind = "cuda"
+
+    def __init__(self, device: str | torch.device = "cuda") -> None:
+        if not torch.cuda.is_available():
+            raise SpecterError("link.kind: 'cuda' needs a CUDA device; use 'emulated' or 'local'")
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(device=self.device)
+        self._slot_released: dict[int, torch.cuda.Event] = {}
+
+    def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
+        released = self._slot_released.pop(slot, None)
+        with torch.cuda.stream(self._stream):
+            if released is not None:
+                self._stream.wait_event(released)
+            copy_all(dst, src, non_blocking=True)
+            finished = torch.cuda.Event()
+            finished.record(self._stream)
+        return CudaTransfer(finished, transfer_nbytes(src), self.device)
+
+    def release_slot(self, slot: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._slot_released[slot] = event
+
+    def close(self) -> None:
+        self._stream.synchronize()
+        self._slot_released.clear()
+
+
+@hookimpl
+def register_links(register: Register) -> None:
+    register("local", LocalLink)
+    register("emulated", EmulatedLink)
+    register("cuda", CudaLink)
+    register("disk", DiskLink)

@@ -1,0 +1,31 @@
+"""``CacheStats``: what an ``ExpertCache`` counted (its module docstring defines each counter)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class CacheStats:
+    acquired_keys: int = 0
+    hits: int = 0
+    misses: int = 0
+    demand_loads: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_late: int = 0
+    prefetch_wasted: int = 0
+    evictions: int = 0
+    reloads: int = 0
+    bytes_transferred: int = 0
+    transfer_wait_s: float = 0.0
+
+    def hit_rate(self) -> float:
+        looked_up = self.hits + self.misses
+        return self.hits / looked_up if looked_up else 0.0
+
+    def prefetch_precision(self) -> float:
+        return self.prefetch_used / self.prefetch_issued if self.prefetch_issued else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self) | {"hit_rate": self.hit_rate()}

@@ -1,0 +1,166 @@
+"""Load a local Hugging Face MoE checkpoint and, for offloading engines, split its experts off.
+
+Contract:
+- ``checkpoint_dir(path)`` -> the path, if it is a checkpoint directory (SpecterError otherwise).
+- ``load_model(path, dtype=..., device=..., allow_pickle=False, trust_remote_code=False,
+  keep_experts_on_host=False)`` loads with ``transformers.AutoModelForCausalLM`` from safetensors
+  only (a pickle ``.bin`` checkpoint is refused unless ``allow_pickle``). With
+  ``keep_experts_on_host`` the model is materialised in host memory (transformers streams the
+  safetensors files; nothing is held twice), its routed-expert tensors are moved into an
+  ``ExpertStore`` (pinned when the device is CUDA) and replaced in the model by empty
+  placeholders, and only then is the rest (dense weights) moved to the device: the experts never
+  all reach the device.
+- ``split_experts(model, pin)`` does the expert split on an already loaded model (``specter.offload``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specter.config.recipe import DTYPES as DTYPE_NAMES
+from specter.errors import SpecterError
+from specter.quiet import loading_quietly
+from specter.model.layout import MoELayer, moe_layers
+from specter.memory.store import ExpertStore
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # recipe dtype name -> torch dtype
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """``path`` if it is a Hugging Face checkpoint directory (it holds config.json), else a
+    ``SpecterError`` saying what is missing. Recipes resolve ``bundled:NAME`` and relative paths
+    (``Recipe.model_path``); this checks what they point at."""
+    if not path.is_dir():
+        raise SpecterError(f"model: no such directory: {path}; use a local Hugging Face checkpoint directory or bundled:tiny-moe")
+    if not (path / "config.json").is_file():
+        raise SpecterError(f"model: {path} has no config.json; expected a Hugging Face checkpoint directory")
+    return path
+
+
+def check_weights_format(path: Path, allow_pickle: bool) -> bool:
+    """True when the checkpoint has safetensors (each checked by ``check_safetensors``); raises if
+    it has only pickle files and pickle is not allowed."""
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        for file in files:
+            check_safetensors(file)
+        return True
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        if not allow_pickle:
+            raise SpecterError(
+                f"model: {path} holds only pickle (.bin) weights, which can run arbitrary code when loaded; "
+                "convert it to safetensors or set allow_pickle: true in the recipe"
+            )
+        return False
+    raise SpecterError(f"model: {path} has no weights (*.safetensors)")
+
+
+def check_safetensors(file: Path) -> None:
+    """Refuse a truncated or corrupt safetensors file, naming it, before transformers reads it:
+    the 8-byte header length, the JSON header and every tensor's byte range must fit the file."""
+    def corrupt(reason: str) -> SpecterError:
+        return SpecterError(f"model: {file} is truncated or corrupt ({reason}); re-download or re-save the checkpoint")
+
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
+            header_len = int.from_bytes(head, "little")
+            if header_len > size - 8 or header_len > 100_000_000:
+                raise corrupt(f"header of {header_len} bytes in a {size}-byte file")
+            header = json.loads(handle.read(header_len))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise corrupt(f"unreadable header: {error}") from None
+    if not isinstance(header, dict):
+        raise corrupt("the header is not a JSON object")
+    data_bytes = size - 8 - header_len
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise corrupt(f"tensor {name!r} has no valid data_offsets")
+        if offsets[1] > data_bytes:
+            raise corrupt(f"tensor {name!r} ends at byte {offsets[1]:,} of a {data_bytes:,}-byte data section")
+
+
+def split_experts(model: nn.Module, pin: bool) -> tuple[list[MoELayer], ExpertStore]:
+    """Move every routed-expert tensor of ``model`` into a host ExpertStore; leave empty placeholders."""
+    layers = moe_layers(model)
+    host: dict[int, dict[str, torch.Tensor]] = {}
+    for info in layers:
+        tensors = {}
+        for name in info.param_names:
+            param = getattr(info.experts, name)
+            tensors[name] = param.detach().to("cpu")
+            placeholder = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
+            setattr(info.experts, name, nn.Parameter(placeholder, requires_grad=False))
+            del param
+        host[info.layer] = tensors
+    return layers, ExpertStore(host, pin=pin)
+
+
+def experts_to_disk(model: nn.Module, path: Path, direct_io: bool):
+    """Serve ``model``'s routed experts from its checkpoint on disk (``specter.memory.disk``):
+    the mapping is checked against the loaded tensors, then the experts are dropped from memory."""
+    from specter.memory.disk import CheckpointIndex, DiskExperts
+    from specter.memory.disk_store import DiskStore
+
+    layers = moe_layers(model)
+    dtype = getattr(layers[0].experts, layers[0].param_names[0]).dtype
+    disk = DiskExperts(CheckpointIndex(path), layers, dtype, direct=direct_io)
+    for info in layers:
+        disk.check(info.layer, {name: getattr(info.experts, name).detach() for name in info.param_names})
+        for name in info.param_names:
+            param = getattr(info.experts, name)
+            placeholder = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
+            setattr(info.experts, name, nn.Parameter(placeholder, requires_grad=False))
+    disk.reset_counters()
+    return layers, DiskStore(disk, layers[0].num_experts)
+
+
+def load_model(
+    path: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    keep_experts_on_host: bool = False,
+    pin_memory: bool = True,
+    experts_on_disk: bool = False,
+    direct_io: bool = True,
+):
+    """Returns ``(model, layers, store)``; ``layers``/``store`` are None unless ``keep_experts_on_host``.
+    The host store is pinned when the device is CUDA and ``pin_memory`` is set."""
+    from transformers import AutoModelForCausalLM
+
+    use_safetensors = check_weights_format(path, allow_pickle)
+    with loading_quietly():
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=use_safetensors, trust_remote_code=trust_remote_code,
+        )
+    model.eval()
+    layers = store = None
+    if keep_experts_on_host and experts_on_disk:
+        layers, store = experts_to_disk(model, path, direct_io)
+    elif keep_experts_on_host:
+        layers, store = split_experts(model, pin=pin_memory and device.type == "cuda")
+    model.to(device)
+    return model, layers, store
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The checkpoint's tokenizer, or None when it ships none (token ids must then be given)."""
+    from transformers import AutoTokenizer
+
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

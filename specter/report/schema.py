@@ -1,0 +1,151 @@
+"""The one report schema every engine writes (``specter.report/1``), and its text rendering.
+
+Contract: ``build_report(engine, metrics, result)`` returns a JSON-serialisable dict carrying every
+key of the schema in ../shared/DESIGN.md ("Report"); a figure that does not apply to the engine
+is ``None``. ``format_summary(report)`` renders the short table the CLI prints.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+SCHEMA = "specter.report/1"
+
+REPORT_KEYS = (
+    "schema", "engine", "model", "device", "dtype", "link", "expert_budget", "device_bytes", "prompts",
+    "prompt_tokens", "new_tokens", "ttft_s", "decode_tokens_per_s", "wall_s", "acceptance_rate",
+    "mean_accepted_per_step", "k", "hit_rate", "prefetch_precision", "bytes_transferred", "transfer_wait_s",
+    "io_wait_share", "copies_per_token", "lossless", "outputs", "threads", "versions",
+)
+
+
+def versions() -> dict:
+    import transformers
+
+    from specter.version import __version__
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "specter": __version__,
+            "python": platform.python_version()}
+
+
+def model_summary(engine) -> dict:
+    from specter.model.layout import moe_layers
+
+    layers = getattr(engine, "layers", None) or moe_layers(engine.model)
+    store = getattr(engine, "store", None)
+    if store is not None:
+        expert_bytes = store.expert_bytes
+    else:
+        first = layers[0]
+        expert_bytes = sum(getattr(first.experts, n)[0].numel() * getattr(first.experts, n).element_size()
+                           for n in first.param_names)
+    return {
+        "arch": engine.model.config.model_type,
+        "path": str(engine.model_path),
+        "n_layers": engine.model.config.num_hidden_layers,
+        "n_moe_layers": len(layers),
+        "n_experts": layers[0].num_experts,
+        "top_k": layers[0].top_k,
+        "expert_bytes": expert_bytes,
+    }
+
+
+def link_summary(engine) -> dict | None:
+    link = getattr(engine, "link", None)
+    if link is None:
+        return None
+    return link.describe()
+
+
+def build_report(engine, metrics, result) -> dict:
+    report = dict.fromkeys(REPORT_KEYS)
+    report.update({
+        "schema": SCHEMA,
+        "engine": engine.name,
+        "model": model_summary(engine),
+        "device": str(engine.device),
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "link": link_summary(engine),
+        "prompts": metrics.prompts,
+        "prompt_tokens": metrics.prompt_tokens,
+        "new_tokens": metrics.new_tokens,
+        "ttft_s": metrics.ttft_s,
+        "decode_tokens_per_s": metrics.decode_tokens_per_s,
+        "decode_s": metrics.decode_s,
+        "wall_s": metrics.wall_s,
+        "acceptance_rate": metrics.acceptance_rate,
+        "mean_accepted_per_step": metrics.mean_accepted_per_step,
+        "k": {"mean": metrics.mean_k, "histogram": {str(k): n for k, n in sorted(metrics.k_histogram.items())}}
+        if metrics.rounds else None,
+        "sampling": {"temperature": engine.sampling.temperature, "top_p": engine.sampling.top_p,
+                     "top_k": engine.sampling.top_k},
+        "outputs": [
+            {"text": text, "token_ids": ids, "prompt_tokens": len(p)}
+            for text, ids, p in zip(result.texts, result.token_ids, result.prompt_ids)
+        ],
+        "threads": torch.get_num_threads(),
+        "versions": versions(),
+    })
+    report["decode_step_s"] = metrics.decode_s / metrics.target_steps if metrics.target_steps else None
+    report["phases"] = metrics.phase_report(report["model"]["n_moe_layers"])
+    report.update(engine.engine_report())
+    # decode-phase figures: transfer_wait_s, hit_rate and copies count the decode steps only
+    if report["transfer_wait_s"] is not None and metrics.decode_s > 0:
+        report["io_wait_share"] = min(1.0, report["transfer_wait_s"] / metrics.decode_s)
+    if report.get("decode_bytes_transferred") is not None and metrics.decode_tokens:
+        expert_bytes = report["model"]["expert_bytes"]
+        report["copies_per_token"] = report["decode_bytes_transferred"] / expert_bytes / metrics.decode_tokens
+    return report
+
+
+def _fmt(value, spec: str = ".3g") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def _governor_text(governor: dict | None) -> str:
+    if not governor:
+        return "-"
+    error = governor.get("prediction_error")
+    return f"{governor.get('name')}" + ("" if error is None else f" ({error:.1%})")
+
+
+def format_summary(report: dict) -> str:
+    budget = report.get("expert_budget") or {}
+    link = report.get("link") or {}
+    link_text = "-" if not link else (
+        f"{link['kind']} {link['gbps']} GB/s {link['latency_us']} us" + (" (emulated)" if link.get("emulated") else "")
+        if link.get("gbps") is not None else link["kind"]
+    )
+    rows = [
+        ("engine", report["engine"]),
+        ("model", f"{report['model']['arch']} ({report['model']['n_moe_layers']} MoE layers x "
+                  f"{report['model']['n_experts']} experts, top-{report['model']['top_k']})"),
+        ("device / dtype / threads", f"{report['device']} / {report['dtype']} / {report['threads']}"),
+        ("prompts / prompt tokens / new tokens", f"{report['prompts']} / {report['prompt_tokens']} / {report['new_tokens']}"),
+        ("time to first token (mean)", f"{_fmt(report['ttft_s'])} s"),
+        ("decode tokens/s", _fmt(report["decode_tokens_per_s"], ".1f")),
+        ("expert budget", "-" if not budget else f"{budget['experts']} experts, {budget['bytes']:,} bytes, "
+                                                 f"{budget['fraction']:.0%}"),
+        ("link", link_text),
+        ("hit rate", _fmt(report["hit_rate"])),
+        ("transfer wait / share of time", f"{_fmt(report['transfer_wait_s'])} s / {_fmt(report['io_wait_share'])}"),
+        ("copies per token", _fmt(report["copies_per_token"])),
+        ("acceptance / tokens per step / mean k", f"{_fmt(report['acceptance_rate'])} / "
+                                                  f"{_fmt(report['mean_accepted_per_step'])} / "
+                                                  f"{_fmt((report['k'] or {}).get('mean'))}"),
+        ("prefetch precision", _fmt(report["prefetch_precision"])),
+        ("governor (round-time prediction error)", _governor_text(report.get("governor"))),
+        ("lossless (vs resident greedy)", _fmt(report["lossless"])),
+    ]
+    compiled = report.get("compile")
+    if compiled:
+        rows.append(("compiled (warm-up excluded above)", f"warm-up {_fmt(compiled.get('warmup_s'))} s, "
+                                                          f"late graphs {_fmt(compiled.get('late_graphs'))}"))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

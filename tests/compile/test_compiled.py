@@ -1,0 +1,154 @@
+"""Compiled engines (``compile: true``): same greedy tokens as the eager resident engine, zero graph
+breaks in the fused steps, and no recompilation after warm-up whatever k and the sequence do.
+
+Models are tiny random Mixtrals (2 MoE layers, 16 experts top-2, hidden 64, GQA 4/2 heads), so
+that inductor compiles quickly; the graphs are shared by every engine of the same shapes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import specter
+from specter.compile.decoder import CompiledDecoder, StaticKV, compile_engine, unsupported_reason
+from specter.errors import SpecterError
+from specter.kernels.slot_experts import gather_experts, slots_for
+from specter.testing.zoo import random_model, save_random_checkpoint
+
+torch.set_num_threads(1)
+
+PROMPTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55, 3, 9, 120, 44, 19, 23, 77, 5], [1, 200, 5, 77, 12]]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("compiled") / "mixtral"
+    return str(save_random_checkpoint("mixtral", path, seed=0, hidden=64, intermediate=64, layers=2))
+
+
+def recipe(path: str, engine: str, compile: bool, budget: float = 0.25, k: int = 4) -> dict:
+    return {"model": path, "engine": engine, "max_new_tokens": MAX_NEW, "threads": 1, "compile": compile,
+            "offload": {"link": {"kind": "local"}, "expert_budget": budget},
+            "speculation": {"governor": {"name": "fixed", "k": k}}}
+
+
+@pytest.fixture(scope="module")
+def eager_resident(checkpoint) -> list[list[int]]:
+    return specter.load(recipe(checkpoint, "resident", compile=False)).generate(PROMPTS).token_ids
+
+
+@pytest.mark.slow
+def test_compiled_resident_matches_eager(checkpoint, eager_resident):
+    engine = specter.load(recipe(checkpoint, "resident", compile=True))
+    report = engine.generate(PROMPTS).report
+    assert [o["token_ids"] for o in report["outputs"]] == eager_resident
+    compiled = report["compile"]
+    assert compiled["enabled"] and compiled["warmup_s"] > 0
+    assert compiled["fused_steps"] > 0 and compiled["late_graphs"] == 0
+    assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_name", ["ondemand", "specter", "router-lookahead"])
+def test_compiled_offloaded_engines_match_eager(checkpoint, eager_resident, engine_name):
+    eager = specter.load(recipe(checkpoint, engine_name, compile=False))
+    eager_report = eager.generate(PROMPTS).report
+    engine = specter.load(recipe(checkpoint, engine_name, compile=True))
+    report = engine.generate(PROMPTS).report
+    assert [o["token_ids"] for o in report["outputs"]] == eager_resident
+    assert report["compile"]["late_graphs"] == 0
+    # the host replays the cache bookkeeping of fused steps: the same hits, misses and loads as eager
+    for key in ("hits", "misses", "demand_loads", "evictions"):
+        assert report["cache"]["decode"][key] == eager_report["cache"]["decode"][key], key
+    if engine_name == "specter":
+        assert report["compile"]["draft_steps"] > 0 and report["compile"]["fused_steps"] > 0
+    if engine_name == "router-lookahead":
+        assert report["compile"]["fused_steps"] == 0  # its predictor acts between layers: layered only
+    eager.close()
+    engine.close()
+
+
+class CyclingGovernor:
+    """Drafts k from a fixed cycle (exercises every verification length)."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self._ks = itertools.cycle(ks)
+
+    def next_k(self) -> int:
+        return next(self._ks)
+
+    def observe(self, drafted: int, accepted: int, **timings: float) -> None:
+        pass
+
+
+def test_no_recompilation_after_warm_up(checkpoint):
+    """256 new tokens with k cycling through 1..16, prompts of two lengths, cache misses and
+    hits, the sequence crossing many attention spans: not one graph compiled after warm-up, no
+    graph break, and the eager resident engine's greedy tokens."""
+    resident = specter.load(recipe(checkpoint, "resident", compile=False))
+    resident.eos_token_id = None
+    expected = resident.generate(PROMPTS, max_new_tokens=256).token_ids
+    engine = specter.load(recipe(checkpoint, "specter", compile=False, budget=0.25))
+    engine.governor = CyclingGovernor([1, 3, 16, 2, 7, 12, 5, 9, 4])
+    engine.eos_token_id = None  # random weights may emit EOS; run the full length
+    decoder = compile_engine(engine, max_k=16)
+    graphs = counters["stats"]["unique_graphs"]
+    report = engine.generate(PROMPTS, max_new_tokens=256).report
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert report["compile"]["late_graphs"] == 0
+    assert [o["token_ids"] for o in report["outputs"]] == expected
+    assert set(report["k"]["histogram"]) >= {"1", "3", "16", "12"}
+    assert decoder.stats.draft_steps > 0 and decoder.stats.fused_steps > 0
+    assert report["cache"]["decode"]["evictions"] > 0  # the slot table changed under the graphs
+    assert sum(counters["graph_break"].values()) == 0
+    engine.close()
+
+
+def test_unsupported_models_are_refused():
+    model = random_model("qwen2_moe", hidden=64, intermediate=64, layers=1)
+    assert "qwen2_moe" in unsupported_reason(model)
+    with pytest.raises(SpecterError, match="compile: true"):
+        CompiledDecoder(model)
+
+
+def test_static_kv_crops_like_a_dynamic_cache():
+    kv = StaticKV([torch.zeros(1, 2, 8, 4)], [torch.zeros(1, 2, 8, 4)])
+    kv.length = 6
+    kv.crop(-2)
+    assert kv.get_seq_length() == 4
+    kv.crop(7)
+    assert kv.get_seq_length() == 4
+    kv.crop(3)
+    assert kv.get_seq_length() == 3
+
+
+def test_gather_experts_matches_per_pair_math():
+    torch.manual_seed(0)
+    gate_up, down = torch.randn(6, 8, 4), torch.randn(6, 4, 4)  # [N, 2I, H], [N, H, I]
+    x, ids = torch.randn(3, 4), torch.tensor([[0, 5], [2, 2], [4, 1]])
+    weights = torch.rand(3, 2)
+
+    def gate(h):
+        g, u = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(g) * u
+
+    expected = torch.stack([
+        sum(weights[t, j] * (down[ids[t, j]] @ gate(gate_up[ids[t, j]] @ x[t])) for j in range(2)) for t in range(3)
+    ])
+    torch.testing.assert_close(gather_experts(x, ids, weights, gate_up, down, gate), expected)
+    slots, missing = slots_for(torch.tensor([3, -1, 0]), torch.tensor([[0, 2], [2, 0]]))
+    assert slots.tolist() == [[3, 0], [0, 3]] and not missing
+    assert bool(slots_for(torch.tensor([3, -1, 0]), torch.tensor([[1, 2]]))[1])
+
+
+@pytest.mark.slow
+def test_compiled_qwen3_moe_matches_eager(tmp_path):
+    path = str(save_random_checkpoint("qwen3_moe", tmp_path / "qwen3", seed=0, hidden=64, intermediate=64, layers=2))
+    eager = specter.load(recipe(path, "resident", compile=False)).generate(PROMPTS).token_ids
+    compiled = specter.load(recipe(path, "resident", compile=True)).generate(PROMPTS).token_ids
+    assert compiled == eager

@@ -1,0 +1,149 @@
+"""The roofline governor: its model, its choices, and how it follows changing conditions.
+
+The governor is driven by a synthetic machine whose round time and acceptance are known, so the
+best k is known too: round(k) = host + (k+1) * draft + verify(k+1), verify(T) = per_expert *
+distinct(T) + io(T), and each draft position is accepted with probability p (seeded, so runs
+are reproducible).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specter.errors import SpecterError
+from specter.decode.governor import check_next_k
+from specter.plugins import registry
+from specter.decode.roofline import RooflineGovernor, distinct_experts
+
+
+class Machine:
+    def __init__(self, p: float, io_per_expert: float, per_expert: float = 1e-3, draft: float = 2e-3, host=2e-4):
+        self.p, self.io, self.per_expert, self.draft, self.host = p, io_per_expert, per_expert, draft, host
+        self.rng = random.Random(0)
+
+    def round(self, k: int) -> tuple[int, dict]:
+        accepted = 0
+        while accepted < k and self.rng.random() < self.p:
+            accepted += 1
+        experts = distinct_experts(k + 1, 16, 2) * 4
+        verify = experts * (self.per_expert + self.io * (0.3 if k else 1.0))  # drafting hides some I/O
+        steps = k + 1 if k else 0
+        timings = {"draft_s": steps * self.draft, "flush_s": 0.0, "verify_s": verify, "host_s": self.host,
+                   "draft_steps": steps}
+        timings["round_s"] = sum(timings[n] for n in ("draft_s", "verify_s", "host_s"))
+        return accepted, timings
+
+    def best_k(self, k_max: int = 8) -> int:
+        def rate(k):
+            expected = sum(self.p ** i for i in range(1, k + 1))
+            return (1 + expected) / self.round(k)[1]["round_s"]
+        return max(range(k_max + 1), key=rate)
+
+
+def drive(governor: RooflineGovernor, machine: Machine, rounds: int, log: list | None = None) -> list[int]:
+    chosen = []
+    for _ in range(rounds):
+        k = governor.next_k()
+        accepted, timings = machine.round(k)
+        governor.observe(drafted=k, accepted=accepted, **timings)
+        chosen.append(k)
+        if log is not None:
+            log.append((1 + accepted, timings["round_s"]))
+    return chosen
+
+
+def fixed_rate(machine: Machine, k: int, rounds: int = 200) -> float:
+    tokens = seconds = 0.0
+    for _ in range(rounds):
+        accepted, timings = machine.round(k)
+        tokens, seconds = tokens + 1 + accepted, seconds + timings["round_s"]
+    return tokens / seconds
+
+
+def settled(chosen: list[int]) -> int:
+    tail = chosen[-24:]
+    return max(set(tail), key=tail.count)
+
+
+def test_expected_accepted_follows_per_position_acceptance():
+    governor = RooflineGovernor(k=2, prior_acceptance=0.5)
+    assert governor.expected_accepted(0) == 0
+    assert governor.expected_accepted(3) == pytest.approx(0.5 + 0.25 + 0.125)
+
+
+@pytest.mark.parametrize("p, io", [(0.95, 4e-3), (0.9, 1e-3), (0.3, 1e-4), (0.95, 0.0), (0.0, 1e-3)])
+def test_reaches_the_throughput_of_the_best_fixed_k(p, io):
+    machine = Machine(p, io)
+    log: list = []
+    drive(RooflineGovernor(k=4), machine, 300, log)
+    rate = sum(t for t, _ in log[50:]) / sum(s for _, s in log[50:])
+    best = max(fixed_rate(Machine(p, io), k) for k in range(9))
+    assert rate >= 0.95 * best, (rate, best)
+
+
+def test_speculation_switches_off_when_it_stops_paying_and_back_on():
+    machine = Machine(0.95, 1e-4, draft=2e-4)
+    governor = RooflineGovernor(k=4, probe_every=8)
+    high = settled(drive(governor, machine, 80))
+    assert high >= 3
+    machine.p = 0.0  # a prompt on which the draft is always wrong
+    low = settled(drive(governor, machine, 80))
+    assert low == 0 and governor.best_k() == 0
+    machine.p = 0.95
+    assert settled(drive(governor, machine, 120)) >= 3
+
+
+def test_k_grows_when_the_link_slows_down():
+    machine = Machine(0.8, 0.0, per_expert=2e-3, draft=1e-3)
+    governor = RooflineGovernor(k=2)
+    fast = settled(drive(governor, machine, 100))
+    machine.io = 2e-2
+    slow = settled(drive(governor, machine, 100))
+    assert slow > fast
+
+
+def test_predicted_round_time_matches_the_measured_one():
+    machine = Machine(0.9, 1e-3)
+    governor = RooflineGovernor(k=4)
+    drive(governor, machine, 100)
+    summary = governor.summary()
+    assert summary["prediction_error"] < 0.05
+    assert len(summary["table"]) == governor.k_max + 1 and len(summary["trace"]) == 100
+
+
+def test_latency_cap_limits_k():
+    machine = Machine(0.95, 4e-3)
+    free = settled(drive(RooflineGovernor(k=4), machine, 100))
+    capped_governor = RooflineGovernor(k=4, max_latency_ms=1.0)  # impossible: take the fastest per token
+    drive(capped_governor, machine, 100)
+    assert free >= 1 and capped_governor.best_k() is not None
+
+
+def test_registered_and_built_with_the_engine_context():
+    governor = registry().create("governor", "roofline", {"k_max": 6}, key="speculation.governor", k=3,
+                                 n_experts=8, top_k=2)
+    assert isinstance(governor, RooflineGovernor) and governor.k_max == 6 and governor.n_experts == 8
+    with pytest.raises(SpecterError, match="speculation.governor"):
+        registry().create("governor", "roofline", {"k_max": 99}, key="speculation.governor", k=3)
+
+
+@pytest.mark.parametrize("k", [-1, 17, 2.0, None, True])
+def test_the_engine_refuses_a_bad_k_naming_the_governor(k):
+    with pytest.raises(SpecterError, match="governor 'roofline' returned k="):
+        check_next_k(k, RooflineGovernor())
+
+
+def test_verify_cost_is_a_line_in_distinct_experts_so_one_lucky_width_cannot_make_it_jagged():
+    from specter.decode.roofline import fit_line
+
+    assert fit_line([(1.0, 3.0, 1), (2.0, 5.0, 1), (4.0, 9.0, 2)]) == pytest.approx((1.0, 2.0))
+    assert fit_line([(2.0, 4.0, 1)]) == pytest.approx((0.0, 2.0))  # one width: through the origin
+    governor = RooflineGovernor(k=4, n_experts=16, top_k=2)
+    for width, seconds in [(3, 0.06), (5, 0.10), (6, 0.07), (8, 0.12), (9, 0.40)]:  # width 6 lucky
+        for _ in range(20):
+            governor.observe(drafted=width - 1, accepted=0, draft_s=0.01 * width, draft_steps=width, verify_s=seconds)
+    predicted = [governor.verify_s(t) for t in range(2, 10)]
+    assert predicted == sorted(predicted)  # monotone in width
+    assert governor.verify_s(6) > 0.07

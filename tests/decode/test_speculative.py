@@ -1,0 +1,177 @@
+"""The speculative engines on tiny random checkpoints: greedy ``specter`` and ``router-lookahead``
+produce exactly the ``resident`` engine's tokens, stop exactly at ``max_new_tokens`` or EOS, fill
+the report's speculation fields, and sample reproducibly.
+
+Architectures: Mixtral (plain), Qwen2-MoE (shared experts beside the routed ones) and GPT-OSS
+(sliding-window attention layers whose KV cache is cropped after every round; the first prompt
+is longer than the 32-token window so the crop happens inside a full window).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import specter
+from specter.testing.zoo import save_random_checkpoint
+from specter.decode.speculative import build_draft
+
+torch.set_num_threads(1)
+
+ARCHS = ("mixtral", "qwen2_moe", "gpt_oss")
+VOCAB = 256
+MAX_NEW = 16
+PROMPTS = [
+    [1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55, 3, 9, 120, 44, 61, 180, 23, 99,
+     5, 77, 12, 230, 160, 41, 88, 19, 147, 203, 36, 71, 11, 190, 64, 128, 15, 222, 90, 50],
+    [1, 200, 5, 77, 12],
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("zoo")
+    return {arch: str(save_random_checkpoint(arch, root / arch, seed=0)) for arch in ARCHS}
+
+
+def recipe(path: str, engine: str, budget: float = 0.25, k: int = 3, max_new: int = MAX_NEW, **extra) -> dict:
+    data = {"model": path, "engine": engine, "max_new_tokens": max_new, "threads": 1, "dtype": "float32",
+            "offload": {"link": {"kind": "local"}, "expert_budget": budget},
+            "speculation": {"governor": {"name": "fixed", "k": k}}}
+    data.update(extra)
+    return data
+
+
+def generate(path: str, engine: str, prompts=PROMPTS, **kw):
+    runner = specter.load(recipe(path, engine, **kw))
+    try:
+        return runner.generate(prompts)
+    finally:
+        runner.close()
+
+
+@pytest.fixture(scope="module")
+def resident(checkpoints) -> dict[str, list[list[int]]]:
+    return {arch: generate(path, "resident").token_ids for arch, path in checkpoints.items()}
+
+
+@pytest.mark.parametrize("budget", (0.25, 0.5))
+@pytest.mark.parametrize("k", (1, 3, 6))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_specter_greedy_equals_resident(arch, k, budget, checkpoints, resident):
+    result = generate(checkpoints[arch], "specter", k=k, budget=budget)
+    assert result.token_ids == resident[arch], f"{arch}, k={k}, budget={budget}"
+    assert all(len(ids) == MAX_NEW for ids in result.token_ids)  # the zoo models never emit EOS (2) here
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_router_lookahead_equals_resident(arch, checkpoints, resident):
+    result = generate(checkpoints[arch], "router-lookahead", budget=0.25)
+    assert result.token_ids == resident[arch]
+    prediction = result.report["prediction"]
+    assert prediction["predictor"] == "router-lookahead"
+    assert 0.0 <= prediction["recall"] <= 1.0
+    assert result.report["acceptance_rate"] is None and result.report["k"] is None  # no speculation
+
+
+@pytest.mark.parametrize("max_new", (1, 2, 3, 5, 8))
+def test_max_new_tokens_is_exact_even_when_k_exceeds_what_is_left(max_new, checkpoints, resident):
+    result = generate(checkpoints["mixtral"], "specter", k=6, max_new=max_new)
+    assert [len(ids) for ids in result.token_ids] == [max_new] * len(PROMPTS)
+    assert result.token_ids == [ids[:max_new] for ids in resident["mixtral"]]
+    assert result.report["new_tokens"] == max_new * len(PROMPTS)
+    histogram = (result.report["k"] or {}).get("histogram", {})
+    # a round never drafts more than can still be emitted: k + 1 <= max_new - (tokens so far >= 1)
+    assert all(int(k) <= max_new - 2 for k in histogram)
+
+
+def with_eos(src: str, dst: Path, eos: int) -> str:
+    shutil.copytree(src, dst)
+    config_path = dst / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = eos
+    config_path.write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.mark.parametrize("arch", ("mixtral", "gpt_oss"))
+def test_eos_stops_generation(arch, checkpoints, resident, tmp_path):
+    reference = resident[arch][0]
+    # a token the model emits in the middle of prompt 0's output, for the first time there
+    position = max(p for p in range(2, MAX_NEW - 2) if reference[p] not in reference[:p])
+    eos = reference[position]
+    path = with_eos(checkpoints[arch], tmp_path / "eos", eos)
+
+    def truncated(ids: list[int]) -> list[int]:
+        return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+    expected = [truncated(ids) for ids in resident[arch]]
+    assert len(expected[0]) == position + 1 < MAX_NEW
+    assert generate(path, "resident").token_ids == expected
+    for k in (3, 6):
+        result = generate(path, "specter", k=k)
+        assert result.token_ids == expected, f"k={k}"
+        assert result.report["new_tokens"] == sum(len(ids) for ids in expected)
+
+
+def test_report_fields_of_a_specter_run(checkpoints):
+    k = 3
+    report = generate(checkpoints["qwen2_moe"], "specter", k=k, budget=0.25).report
+    assert report["engine"] == "specter"
+    assert 0.0 <= report["acceptance_rate"] <= 1.0
+    assert 1.0 <= report["mean_accepted_per_step"] <= k + 1
+    histogram = {int(key): n for key, n in report["k"]["histogram"].items()}
+    assert histogram and all(0 <= key <= k and n > 0 for key, n in histogram.items())  # 0: the last token alone
+    rounds, drafted = sum(histogram.values()), sum(key * n for key, n in histogram.items())
+    assert report["k"]["mean"] == pytest.approx(drafted / rounds)
+    accepted = report["acceptance_rate"] * drafted
+    assert report["mean_accepted_per_step"] == pytest.approx((accepted + rounds) / rounds)
+    assert 0.0 <= report["hit_rate"] <= 1.0
+    assert report["prefetch_precision"] is not None and 0.0 <= report["prefetch_precision"] <= 1.0
+    device_bytes = report["device_bytes"]
+    assert device_bytes["draft"] > 0 and device_bytes["cache"] > 0 and device_bytes["dense"] > 0
+    assert device_bytes["total"] == device_bytes["dense"] + device_bytes["cache"] + device_bytes["draft"]
+    all_expert_bytes = report["model"]["expert_bytes"] * report["model"]["n_moe_layers"] * report["model"]["n_experts"]
+    assert device_bytes["cache"] <= 0.25 * all_expert_bytes
+    assert device_bytes["draft"] < all_expert_bytes / 2  # INT4 (plus scales) is well under half of fp32
+    assert report["new_tokens"] == sum(len(o["token_ids"]) for o in report["outputs"]) == MAX_NEW * len(PROMPTS)
+    assert report["draft"]["bits"] == 4
+
+
+def test_build_draft_covers_every_moe_layer_and_stays_resident(checkpoints):
+    from specter.model.loader import load_model
+
+    model, layers, store = load_model(Path(checkpoints["mixtral"]), dtype=torch.float32, device=torch.device("cpu"),
+                                      keep_experts_on_host=True)
+    draft = build_draft(layers, store, torch.device("cpu"), group_size=64)
+    assert sorted(draft) == [m.layer for m in layers]
+    hidden = torch.randn(3, model.config.hidden_size)
+    index = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    weights = torch.full((3, 2), 0.5)
+    for info in layers:
+        out = draft[info.layer].forward(hidden, index, weights)
+        assert out.shape == hidden.shape and torch.isfinite(out).all()
+        assert draft[info.layer].nbytes > 0
+
+
+SAMPLING = {"temperature": 0.8, "top_p": 0.9}
+
+
+@pytest.mark.parametrize("engine", ("specter", "resident"))
+def test_sampling_is_reproducible_and_in_vocab(engine, checkpoints):
+    path = checkpoints["mixtral"]
+    first = generate(path, engine, k=3, sampling=SAMPLING, seed=7)
+    again = generate(path, engine, k=3, sampling=SAMPLING, seed=7)
+    other = generate(path, engine, k=3, sampling=SAMPLING, seed=8)
+    assert first.token_ids == again.token_ids
+    assert first.token_ids != other.token_ids
+    for ids in first.token_ids:
+        assert 1 <= len(ids) <= MAX_NEW and all(0 <= t < VOCAB for t in ids)
+        assert len(ids) == MAX_NEW or ids[-1] == 2  # stops early only at EOS
+    if engine == "specter":
+        assert 0.0 <= first.report["acceptance_rate"] <= 1.0
+        assert first.report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 0}

@@ -1,0 +1,101 @@
+"""The disk tier: experts read from the checkpoint's own safetensors byte ranges (single file,
+sharded, per-expert or stacked layouts), greedy tokens identical to ``resident``, clear errors for
+a truncated or unreadable file."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import specter
+from specter.errors import SpecterError
+from specter.model.layout import moe_layers
+from specter.memory.disk import CheckpointIndex, DiskExperts
+from specter.testing.zoo import random_model
+
+PROMPTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7]]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("zoo") / "sharded"
+    random_model("mixtral", seed=3, layers=3).save_pretrained(path, max_shard_size="300KB")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 2
+    return path
+
+
+def recipe(path, engine="ondemand", **offload) -> dict:
+    return {"model": str(path), "engine": engine, "device": "cpu", "max_new_tokens": 10, "threads": 1,
+            "offload": {"expert_budget": 0.25, "experts_on": "disk", **offload},
+            "speculation": {"governor": {"k": 3}}}
+
+
+def tokens(data) -> tuple[list[list[int]], dict]:
+    engine = specter.load(data)
+    try:
+        result = engine.generate(PROMPTS)
+    finally:
+        engine.close()
+    return result.token_ids, result.report
+
+
+@pytest.mark.parametrize("fixture", ["sharded", "tiny_mixtral"])
+def test_every_expert_read_from_disk_equals_the_loaded_one(fixture, request):
+    path = request.getfixturevalue(fixture)
+    model = specter.load({"model": str(path), "engine": "resident", "device": "cpu"}).model
+    layers = moe_layers(model)
+    disk = DiskExperts(CheckpointIndex(path), layers, torch.float32, direct=True)
+    for info in layers:
+        for expert in range(info.num_experts):
+            for name, tensor in disk.read(info.layer, expert).items():
+                assert torch.equal(tensor, getattr(info.experts, name)[expert])
+    assert disk.mode in ("O_DIRECT", "buffered + POSIX_FADV_DONTNEED")
+    assert disk.bytes_read > 0 and disk.busy_s > 0
+    disk.close()
+
+
+@pytest.mark.parametrize("engine", ["ondemand", "specter"])
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_greedy_tokens_through_the_disk_tier_equal_resident(sharded, engine, direct_io):
+    reference, _ = tokens({"model": str(sharded), "engine": "resident", "device": "cpu", "max_new_tokens": 10})
+    got, report = tokens(recipe(sharded, engine, direct_io=direct_io))
+    assert got == reference
+    link = report["link"]
+    assert link["kind"] == "disk" and link["emulated"] is False
+    assert link["bytes_read"] > 0 and link["read_gbps"] > 0
+    assert link["io"] == ("page cache allowed" if not direct_io else link["io"])
+
+
+def test_the_bundled_layout_reads_from_disk_too(tiny_mixtral):
+    reference, _ = tokens({"model": str(tiny_mixtral), "engine": "resident", "device": "cpu", "max_new_tokens": 10})
+    assert tokens(recipe(tiny_mixtral, "specter"))[0] == reference
+
+
+def test_a_truncated_shard_is_refused_naming_it(sharded, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(sharded, copy)
+    shard = sorted(copy.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    with pytest.raises(SpecterError, match=f"{shard.name} is truncated or corrupt"):
+        specter.load(recipe(copy))
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_short_read_while_decoding_names_the_file_and_tensor(sharded, monkeypatch, direct_io):
+    import os
+
+    engine = specter.load(recipe(sharded, expert_budget={"experts": 2}, direct_io=direct_io))
+    real_preadv, real_pread = os.preadv, os.pread
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: min(real_preadv(fd, buffers, offset), 100))
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: real_pread(fd, min(n, 100), offset))
+    with pytest.raises(SpecterError, match=r"disk tier: short read of tensor '.*experts.*' from .*\.safetensors"):
+        engine.generate(PROMPTS)
+    monkeypatch.undo()
+    engine.close()
+
+
+def test_the_disk_link_needs_the_disk_tier_and_a_cpu(sharded):
+    with pytest.raises(SpecterError, match="offload.link.kind: the disk link reads experts from the checkpoint"):
+        specter.load(recipe(sharded, experts_on="host", link={"kind": "disk"}))

@@ -1,0 +1,140 @@
+"""Links: copies are correct; the emulated link is paced like a serial wire; cuda on a GPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from specter.errors import SpecterError
+from specter.memory.links import CompletedTransfer, EmulatedLink, LocalLink, register_links
+
+torch.set_num_threads(1)
+
+MB = 1_000_000
+
+
+def pair(nbytes: int = MB) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    n = nbytes // 4
+    src = {"w": torch.randn(n // 2), "b": torch.randn(n - n // 2)}
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    return dst, src
+
+
+def test_local_copies_synchronously() -> None:
+    dst, src = pair(4096)
+    transfer = LocalLink().submit(dst, src, slot=0)
+    assert transfer.done() and transfer.nbytes == 4096
+    assert transfer.wait() == 0.0
+    assert all(torch.equal(dst[n], src[n]) for n in src)
+
+
+def test_emulated_copies_are_correct_and_in_order() -> None:
+    link = EmulatedLink(gbps=10.0, latency_us=0.0)
+    try:
+        dst = {"w": torch.zeros(256)}
+        sources = [{"w": torch.full((256,), float(i))} for i in range(5)]
+        transfers = [link.submit(dst, src, slot=0) for src in sources]
+        for transfer in transfers:
+            transfer.wait()
+        assert torch.equal(dst["w"], sources[-1]["w"])
+    finally:
+        link.close()
+
+
+def test_emulated_is_paced_to_bandwidth_and_latency() -> None:
+    link = EmulatedLink(gbps=0.5, latency_us=100.0)
+    try:
+        pairs = [pair(MB) for _ in range(4)]
+        start = time.perf_counter()
+        transfers = [link.submit(dst, src, slot=i) for i, (dst, src) in enumerate(pairs)]
+        blocked = [t.wait() for t in transfers]
+        elapsed = time.perf_counter() - start
+        expected = 4 * link.duration_s(MB)
+        assert expected == pytest.approx(4 * (100e-6 + MB / 0.5e9))
+        assert elapsed >= expected - 1e-4
+        assert sum(blocked) <= elapsed + 1e-6  # (a scheduler pause may shorten any one wait: no lower bound)
+        assert all(b >= 0 for b in blocked)
+        assert all(t.done() and t.wait() == 0.0 for t in transfers)
+        assert all(torch.equal(dst[n], src[n]) for dst, src in pairs for n in src)
+    finally:
+        link.close()
+
+
+def test_emulated_idle_link_does_not_bank_time() -> None:
+    link = EmulatedLink(gbps=1.0, latency_us=2000.0)
+    try:
+        dst, src = pair(4096)
+        link.submit(dst, src, 0).wait()
+        time.sleep(0.01)
+        start = time.perf_counter()
+        link.submit(dst, src, 0).wait()
+        assert time.perf_counter() - start >= 0.002 - 1e-4
+    finally:
+        link.close()
+
+
+def test_emulated_close_stops_the_worker_and_refuses_work() -> None:
+    link = EmulatedLink(gbps=1.0)
+    dst, src = pair(4096)
+    pending = link.submit(dst, src, 0)
+    link.close()
+    assert not link.alive
+    assert pending.done()
+    link.close()
+    with pytest.raises(SpecterError):
+        link.submit(dst, src, 0)
+
+
+def test_emulated_reports_copy_errors_on_wait() -> None:
+    link = EmulatedLink(gbps=1.0)
+    try:
+        transfer = link.submit({"w": torch.zeros(3)}, {"w": torch.zeros(4)}, 0)
+        with pytest.raises(SpecterError, match="transfer failed"):
+            transfer.wait()
+        assert link.alive
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("options", [{"gbps": 0.0}, {"gbps": -1.0}, {"gbps": 1.0, "latency_us": -5.0}])
+def test_emulated_rejects_bad_options(options: dict[str, float]) -> None:
+    with pytest.raises(SpecterError):
+        EmulatedLink(**options)
+
+
+def test_describe_labels_emulation() -> None:
+    link = EmulatedLink(gbps=0.5, latency_us=50.0)
+    try:
+        assert link.describe() == {"kind": "emulated", "gbps": 0.5, "latency_us": 50.0, "emulated": True}
+    finally:
+        link.close()
+    assert LocalLink().describe()["emulated"] is False
+
+
+def test_builtins_register_through_the_hook() -> None:
+    registered: dict[str, object] = {}
+    register_links(lambda name, factory: registered.__setitem__(name, factory))
+    assert sorted(registered) == ["cuda", "disk", "emulated", "local"]
+    assert isinstance(registered["local"]().submit({}, {}, 0), CompletedTransfer)
+
+
+@pytest.mark.gpu
+def test_cuda_link_copies_and_orders_after_release() -> None:
+    from specter.memory.links import CudaLink
+
+    link = CudaLink()
+    src = {"w": torch.randn(1 << 20).pin_memory()}
+    dst = {"w": torch.zeros(1 << 20, device="cuda")}
+    transfer = link.submit(dst, src, slot=0)
+    assert transfer.wait() >= 0.0
+    assert transfer.done()
+    assert torch.equal(dst["w"].cpu(), src["w"])
+    total = dst["w"].sum()
+    link.release_slot(0)
+    other = {"w": torch.randn(1 << 20).pin_memory()}
+    link.submit(dst, other, slot=0).wait()
+    assert torch.allclose(total.cpu(), src["w"].sum(), rtol=1e-4)
+    assert torch.equal(dst["w"].cpu(), other["w"])
+    link.close()

@@ -1,0 +1,320 @@
+"""PrefetchScheduler: the three prefetch phases, protection of predicted experts, round statistics.
+
+The cache runs over a manual link whose copies complete only when the test says so, so what is
+in flight (and therefore what ``pump`` may issue under ``max_in_flight``) is under the test's
+control; the link records the order in which copies were submitted.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+import torch
+
+from specter.memory.cache import ExpertCache, SlotState
+from specter.memory.link import Link, Tensors, Transfer
+from specter.policies import LRUPolicy
+from specter.policies.base import ExpertKey, Hint
+from specter.memory.scheduler import PrefetchScheduler
+from specter.memory.store import ExpertStore
+
+torch.set_num_threads(1)
+
+N_EXPERTS = 6
+
+
+class HeldTransfer(Transfer):
+    def __init__(self, dst: Tensors, src: Tensors) -> None:
+        self.dst, self.src = dst, src
+        self.nbytes = sum(t.numel() * t.element_size() for t in src.values())
+        self.completed = False
+
+    def done(self) -> bool:
+        return self.completed
+
+    def wait(self) -> float:
+        self.complete()
+        return 0.0
+
+    def complete(self) -> None:
+        if not self.completed:
+            for name, tensor in self.src.items():
+                self.dst[name].copy_(tensor)
+            self.completed = True
+
+
+class HeldLink(Link):
+    """Copies complete only through ``complete_all`` / ``complete(i)`` (or a blocking wait)."""
+
+    kind = "held"
+
+    def __init__(self) -> None:
+        self.transfers: list[HeldTransfer] = []
+        self.submitted: list[int] = []  # slots, in submission order
+
+    def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
+        transfer = HeldTransfer(dst, src)
+        self.transfers.append(transfer)
+        self.submitted.append(slot)
+        return transfer
+
+    def complete_all(self) -> None:
+        for transfer in self.transfers:
+            transfer.complete()
+
+
+class RecordingLRU(LRUPolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hints: list[list[Hint]] = []
+
+    def on_hints(self, hints: Sequence[Hint]) -> None:
+        self.hints.append(list(hints))
+
+
+def make_cache(n_slots: int, policy=None, layers: Sequence[int] = (0, 1)) -> tuple[ExpertCache, HeldLink]:
+    gen = torch.Generator().manual_seed(0)
+    store = ExpertStore({
+        layer: {"gate_up_proj": torch.randn(N_EXPERTS, 4, 3, generator=gen),
+                "down_proj": torch.randn(N_EXPERTS, 3, 2, generator=gen)}
+        for layer in layers
+    })
+    link = HeldLink()
+    return ExpertCache(store, n_slots, torch.device("cpu"), link, policy or RecordingLRU()), link
+
+
+def submitted_keys(cache: ExpertCache, link: HeldLink, start: int = 0) -> list[ExpertKey]:
+    """The keys whose copies were submitted (from the ``start``-th on), in order."""
+    return [cache.key_in(slot) for slot in link.submitted[start:]]
+
+
+def test_phase1_cached_predictions_are_protected_counted_and_not_fetched() -> None:
+    cache, link = make_cache(n_slots=4)
+    cache.preload([(0, 1)])
+    scheduler = PrefetchScheduler(cache, max_in_flight=4)
+    scheduler.begin_round()
+    scheduler.add(0, [1, 2], [0.9, 0.5])
+    assert scheduler.stats.cached_at_prediction == 1
+    assert {(0, 1), (0, 2)} <= cache.protected_keys()
+    scheduler.add(0, [1], [0.95])  # predicted again by a later draft position: still counted once
+    assert scheduler.stats.cached_at_prediction == 1
+    scheduler.pump()
+    scheduler.flush()
+    assert submitted_keys(cache, link) == [(0, 2)]
+    assert scheduler.stats.issued_while_drafting == 1 and scheduler.stats.issued_at_flush == 0
+    assert cache.stats.prefetch_issued == 1
+
+
+def test_phase2_pump_issues_in_layer_then_confidence_order_within_max_in_flight() -> None:
+    cache, link = make_cache(n_slots=8)
+    scheduler = PrefetchScheduler(cache, max_in_flight=2)
+    scheduler.begin_round()
+    scheduler.add(1, [3, 4], [0.6, 0.9])
+    scheduler.add(0, [5, 2], [0.2, 0.7])
+    scheduler.pump()
+    assert submitted_keys(cache, link) == [(0, 2), (0, 5)]
+    assert cache.in_flight == 2
+    scheduler.pump()  # the link is full: nothing more
+    assert len(link.submitted) == 2
+    link.transfers[0].complete()
+    scheduler.pump()  # one place free: the likelier expert of layer 1
+    assert submitted_keys(cache, link, 2) == [(1, 4)]
+    # a late prediction for an earlier layer overtakes the still-pending layer-1 expert
+    scheduler.add(0, [0], [0.1])
+    link.complete_all()
+    scheduler.pump()
+    assert submitted_keys(cache, link, 3) == [(0, 0), (1, 3)]
+    assert scheduler.stats.issued_while_drafting == 5
+    assert scheduler.stats.issued_at_flush == 0
+
+
+def test_phase2_skips_keys_that_became_resident_meanwhile() -> None:
+    cache, link = make_cache(n_slots=4)
+    scheduler = PrefetchScheduler(cache, max_in_flight=4)
+    scheduler.begin_round()
+    scheduler.add(0, [3, 4], [0.9, 0.1])
+    cache.acquire(0, [3])  # demand-loaded before the scheduler got to it
+    cache.release(0, [3])
+    scheduler.pump()
+    assert submitted_keys(cache, link) == [(0, 3), (0, 4)]  # the demand load, then the one prefetch
+    assert cache.stats.prefetch_issued == 1 and scheduler.stats.issued_while_drafting == 1
+
+
+def test_phase3_flush_issues_every_pending_prediction_ignoring_max_in_flight() -> None:
+    cache, link = make_cache(n_slots=8)
+    scheduler = PrefetchScheduler(cache, max_in_flight=1)
+    scheduler.begin_round()
+    scheduler.add(1, [0, 1], [0.5, 0.4])
+    scheduler.add(0, [2, 3], [0.3, 0.8])
+    scheduler.pump()
+    assert submitted_keys(cache, link) == [(0, 3)]
+    scheduler.flush()
+    assert submitted_keys(cache, link) == [(0, 3), (0, 2), (1, 0), (1, 1)]
+    assert cache.in_flight == 4
+    assert scheduler.stats.issued_while_drafting == 1 and scheduler.stats.issued_at_flush == 3
+    link.complete_all()
+    scheduler.pump()
+    scheduler.flush()
+    assert len(link.submitted) == 4  # nothing left pending, nothing fetched twice
+    assert all(cache.is_ready(key) for key in [(0, 2), (0, 3), (1, 0), (1, 1)])
+
+
+def test_prefetch_never_evicts_a_predicted_key() -> None:
+    cache, link = make_cache(n_slots=2)
+    cache.preload([(0, 0), (0, 1)])  # (0, 0) is the LRU victim
+    scheduler = PrefetchScheduler(cache, max_in_flight=2)
+    scheduler.begin_round()
+    scheduler.add(0, [0], [0.9])  # cached, so protected
+    scheduler.add(1, [3], [0.8])
+    scheduler.pump()
+    assert submitted_keys(cache, link) == [(1, 3)]
+    assert cache.contains((0, 0)) and not cache.contains((0, 1))  # LRU alone would have evicted (0, 0)
+    link.complete_all()
+    scheduler.add(1, [4], [0.7])  # every resident key is now predicted: no room without evicting one
+    scheduler.flush()
+    assert cache.resident_keys() == [(0, 0), (1, 3)]
+    assert len(link.submitted) == 1
+    scheduler.end_round(set())  # never placed: counted once the round is over
+    assert scheduler.stats.not_admitted == 1
+
+
+def test_streaming_a_round_larger_than_the_cache() -> None:
+    cache, link = make_cache(n_slots=4, layers=(0, 1, 2))
+    scheduler = PrefetchScheduler(cache, max_in_flight=8)
+    scheduler.begin_round()
+    scheduler.add(0, [0, 1], [0.9, 0.8])
+    scheduler.add(1, [2, 3], [0.7, 0.6])
+    scheduler.add(2, [4, 5], [0.5, 0.4])
+    scheduler.flush()
+    assert submitted_keys(cache, link) == [(0, 0), (0, 1), (1, 2), (1, 3)]  # layer 2 waits for room
+    link.complete_all()
+    copied = []
+    for layer, experts in ((0, [0, 1]), (1, [2, 3]), (2, [4, 5])):
+        before = len(link.submitted)
+        scheduler.advance(layer)  # what the engine does as verification reaches each MoE layer
+        copied += submitted_keys(cache, link, before)
+        cache.acquire(layer, experts)
+        cache.release(layer, experts)
+        link.complete_all()
+    assert copied == [(2, 4), (2, 5)]  # streamed into layer 0's slots while layer 1 computed
+    assert (cache.stats.misses, cache.stats.hits, cache.stats.prefetch_wasted) == (0, 6, 0)
+    scheduler.end_round({(0, 0), (0, 1), (1, 2), (1, 3), (2, 4), (2, 5)})
+    assert (scheduler.stats.streamed, scheduler.stats.not_admitted) == (2, 0)
+    assert cache.protected_keys() == frozenset()
+
+
+def test_streaming_keeps_slots_for_the_current_layers_demand_loads() -> None:
+    cache, link = make_cache(n_slots=2, layers=(0, 1, 2))
+    scheduler = PrefetchScheduler(cache, max_in_flight=8)
+    scheduler.begin_round()
+    for layer in (0, 1, 2):
+        scheduler.add(layer, [2 * layer, 2 * layer + 1], [0.9, 0.8])
+    scheduler.flush()
+    link.complete_all()
+    for layer in (0, 1, 2):
+        scheduler.advance(layer)
+        cache.acquire(layer, [2 * layer, 2 * layer + 1])
+        cache.release(layer, [2 * layer, 2 * layer + 1])
+        link.complete_all()
+    # no slot to spare: layers 1 and 2 load on demand, and no streamed prefetch is evicted unused
+    assert (cache.stats.misses, cache.stats.prefetch_wasted, scheduler.stats.streamed) == (4, 0, 0)
+    scheduler.end_round(set())
+    assert scheduler.stats.not_admitted == 4
+
+
+def test_advance_lifts_protection_of_verified_layers_only() -> None:
+    cache, _ = make_cache(n_slots=8, layers=(0, 1, 2))
+    scheduler = PrefetchScheduler(cache)
+    scheduler.begin_round()
+    scheduler.add(0, [0], [0.9])
+    scheduler.add(2, [1], [0.9])
+    scheduler.flush()
+    scheduler.advance(1)
+    assert cache.protected_keys() == frozenset({(2, 1)})
+    scheduler.advance(0)  # verification never goes back
+    assert cache.protected_keys() == frozenset({(2, 1)})
+
+
+def test_end_round_statistics_and_unprotect() -> None:
+    cache, _ = make_cache(n_slots=8)
+    scheduler = PrefetchScheduler(cache)
+    assert scheduler.stats.recall() is None and scheduler.stats.precision() is None
+    scheduler.begin_round()
+    scheduler.add(0, [0, 1], [0.9, 0.8])
+    scheduler.add(1, [2, 3], [0.7, 0.6])
+    scheduler.add(1, [2], [0.95])  # repeated: still one distinct prediction
+    scheduler.flush()
+    assert len(cache.protected_keys()) == 4
+    scheduler.end_round({(0, 0), (1, 2), (1, 5)})
+    stats = scheduler.stats
+    assert (stats.rounds, stats.predicted, stats.used, stats.predicted_and_used) == (1, 4, 3, 2)
+    assert stats.precision() == pytest.approx(2 / 4)
+    assert stats.recall() == pytest.approx(2 / 3)
+    assert cache.protected_keys() == frozenset()
+    # between rounds predictions are ignored: nothing protected, nothing fetched
+    before = cache.stats.prefetch_issued
+    scheduler.add(0, [5], [1.0])
+    scheduler.flush()
+    assert cache.protected_keys() == frozenset() and cache.stats.prefetch_issued == before
+    # a second round accumulates
+    scheduler.begin_round()
+    scheduler.add(0, [4], [0.5])
+    scheduler.end_round({(0, 4)})
+    assert (stats.rounds, stats.predicted, stats.used, stats.predicted_and_used) == (2, 5, 4, 3)
+
+
+def test_policy_receives_hints_in_need_order_with_highest_confidence() -> None:
+    policy = RecordingLRU()
+    cache, _ = make_cache(n_slots=8, policy=policy)
+    scheduler = PrefetchScheduler(cache)
+    scheduler.begin_round()
+    scheduler.add(1, [2, 5], [0.3, 0.3])
+    scheduler.add(0, [4, 1], [0.2, 0.8])
+    scheduler.add(1, [2], [0.9])  # the same key again, more confident
+    scheduler.flush()
+    assert policy.hints == [[((0, 1), 0.8), ((0, 4), 0.2), ((1, 2), 0.9), ((1, 5), 0.3)]]
+
+
+class ProbingLRU(RecordingLRU):
+    """Records the hints it holds whenever the cache asks it to admit a prefetch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hints_at_admission: list[list[ExpertKey]] = []
+
+    def admit_prefetch(self, key, score, victim) -> bool:
+        self.hints_at_admission.append([k for k, _ in self.hints[-1]] if self.hints else [])
+        return True
+
+
+def test_pump_hands_the_policy_this_rounds_buffer_before_prefetching() -> None:
+    """A policy that judges prefetches by their next use must see the current round's predictions
+    while the draft runs (phase 2), not the previous round's."""
+    policy = ProbingLRU()
+    cache, link = make_cache(n_slots=2, policy=policy)
+    cache.preload([(0, 0), (0, 1)])
+    scheduler = PrefetchScheduler(cache, max_in_flight=2)
+    scheduler.begin_round()
+    scheduler.add(1, [3], [0.6])
+    scheduler.pump()  # must evict, so the policy is asked
+    assert policy.hints_at_admission == [[(1, 3)]]
+    link.complete_all()
+    scheduler.add(0, [5], [0.7])
+    scheduler.pump()
+    assert policy.hints_at_admission[-1] == [(0, 5), (1, 3)]
+
+
+def test_begin_round_forgets_the_previous_rounds_pending_predictions() -> None:
+    cache, link = make_cache(n_slots=8)
+    scheduler = PrefetchScheduler(cache, max_in_flight=1)
+    scheduler.begin_round()
+    scheduler.add(0, [0, 1, 2], [0.9, 0.8, 0.7])
+    scheduler.pump()
+    scheduler.end_round(set())
+    scheduler.begin_round()
+    scheduler.add(1, [0], [0.5])
+    link.complete_all()
+    scheduler.flush()
+    assert submitted_keys(cache, link) == [(0, 0), (1, 0)]
+    assert cache.state(cache.slot_of((1, 0))) is SlotState.LOADING

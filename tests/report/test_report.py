@@ -1,0 +1,135 @@
+"""The report schema (``specter.report/1``) and its text rendering, on stand-in engines: every key
+is present, derived figures follow from the counters, what does not apply is null."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specter.decode.engine import GenerationResult
+from specter.memory.links import EmulatedLink
+from specter.report.metrics import GenerationMetrics
+from specter.report.schema import REPORT_KEYS, SCHEMA, build_report, format_summary
+from specter.testing.zoo import random_model
+
+torch.set_num_threads(1)
+
+# The keys ../shared/DESIGN.md promises to programs outside the repository.
+DESIGN_KEYS = (
+    "engine", "model", "device", "dtype", "link", "expert_budget", "device_bytes", "prompts", "prompt_tokens",
+    "new_tokens", "ttft_s", "decode_tokens_per_s", "wall_s", "acceptance_rate", "mean_accepted_per_step", "k",
+    "hit_rate", "prefetch_precision", "bytes_transferred", "transfer_wait_s", "io_wait_share", "lossless",
+    "outputs", "threads", "versions",
+)
+
+
+def test_report_keys_cover_the_design():
+    assert "schema" in REPORT_KEYS and SCHEMA == "specter.report/1"
+    assert set(DESIGN_KEYS) <= set(REPORT_KEYS)
+    assert len(set(REPORT_KEYS)) == len(REPORT_KEYS)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("mixtral", layers=2, n_experts=4)
+
+
+class StandIn:
+    """The attributes ``build_report`` reads from an engine, and a chosen ``engine_report``."""
+
+    def __init__(self, model, extra: dict | None = None, store=None, link=None) -> None:
+        self.name = "stand-in"
+        self.model = model
+        self.model_path = "/models/x"
+        self.device = torch.device("cpu")
+        self.sampling = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0)
+        self.extra = extra or {}
+        if store is not None:
+            self.store = store
+        if link is not None:
+            self.link = link
+
+    def engine_report(self) -> dict:
+        return dict(self.extra)
+
+
+def speculative_metrics() -> GenerationMetrics:
+    metrics = GenerationMetrics()
+    metrics.observe_prefill(10, 0.5)
+    metrics.observe_prefill(6, 0.25)
+    for k, accepted, seconds in [(4, 4, 0.1), (4, 1, 0.1), (2, 0, 0.2)]:
+        metrics.observe_decode_step(accepted + 1, seconds)
+        metrics.observe_draft(k, accepted)
+    metrics.wall_s = 2.0
+    return metrics
+
+
+RESULT = GenerationResult(texts=["a", "b"], token_ids=[[5, 6, 7], [8]], prompt_ids=[[1] * 10, [1] * 6])
+
+
+def test_build_report_from_counters(model):
+    report = build_report(StandIn(model), speculative_metrics(), RESULT)
+    assert set(REPORT_KEYS) <= set(report)
+    assert report["schema"] == SCHEMA and report["engine"] == "stand-in"
+    assert report["model"] == {"arch": "mixtral", "path": "/models/x", "n_layers": 2, "n_moe_layers": 2,
+                               "n_experts": 4, "top_k": 2, "expert_bytes": report["model"]["expert_bytes"]}
+    experts = model.model.layers[0].mlp.experts
+    assert report["model"]["expert_bytes"] == sum(p[0].numel() * p.element_size() for p in experts.parameters())
+    assert (report["prompts"], report["prompt_tokens"], report["new_tokens"]) == (2, 16, 2 + 5 + 2 + 1)
+    assert report["ttft_s"] == pytest.approx(0.375)
+    assert report["decode_tokens_per_s"] == pytest.approx(8 / 0.4)
+    assert report["acceptance_rate"] == pytest.approx(5 / 10)
+    assert report["mean_accepted_per_step"] == pytest.approx((5 + 3) / 3)
+    assert report["k"] == {"mean": pytest.approx(10 / 3), "histogram": {"2": 1, "4": 2}}
+    assert report["outputs"] == [{"text": "a", "token_ids": [5, 6, 7], "prompt_tokens": 10},
+                                 {"text": "b", "token_ids": [8], "prompt_tokens": 6}]
+    # an engine without a cache or link: those figures are null, not zero
+    for key in ("link", "hit_rate", "prefetch_precision", "bytes_transferred", "transfer_wait_s", "io_wait_share",
+                "copies_per_token", "lossless", "expert_budget", "device_bytes"):
+        assert report[key] is None, key
+    assert report["threads"] == torch.get_num_threads()
+    json.dumps(report)
+
+
+def test_plain_decoding_has_no_speculation_figures(model):
+    metrics = GenerationMetrics()
+    metrics.observe_prefill(4, 0.1)
+    metrics.observe_decode_step(1, 0.05)
+    report = build_report(StandIn(model), metrics, RESULT)
+    assert report["acceptance_rate"] is None and report["mean_accepted_per_step"] is None and report["k"] is None
+    assert report["decode_tokens_per_s"] == pytest.approx(20.0)
+
+
+def test_derived_io_figures(model):
+    store = SimpleNamespace(expert_bytes=1000)
+    link = EmulatedLink(gbps=2.0, latency_us=20.0)
+    extra = {"transfer_wait_s": 0.1, "decode_bytes_transferred": 16_000, "bytes_transferred": 20_000, "hit_rate": 0.5}
+    metrics = speculative_metrics()  # 0.4 s of decode, 8 decode tokens
+    report = build_report(StandIn(model, extra, store=store, link=link), metrics, RESULT)
+    link.close()
+    assert report["model"]["expert_bytes"] == 1000  # taken from the store when there is one
+    assert report["link"] == {"kind": "emulated", "gbps": 2.0, "latency_us": 20.0, "emulated": True}
+    assert report["io_wait_share"] == pytest.approx(0.1 / 0.4)
+    assert report["copies_per_token"] == pytest.approx(16 / 8)
+    extra["transfer_wait_s"] = 5.0  # more wait than decode time (waits during prefill): capped
+    assert build_report(StandIn(model, extra, store=store, link=link), metrics, RESULT)["io_wait_share"] == 1.0
+
+
+def test_format_summary_renders_full_and_sparse_reports(model):
+    sparse = build_report(StandIn(model), speculative_metrics(), RESULT)
+    text = format_summary(sparse)
+    assert "stand-in" in text and "mixtral (2 MoE layers x 4 experts, top-2)" in text
+    lines = text.splitlines()
+    assert any(line.startswith("expert budget") and line.rstrip().endswith("-") for line in lines)
+    assert any(line.startswith("lossless") and line.rstrip().endswith("-") for line in lines)
+    full = dict(sparse, expert_budget={"experts": 8, "bytes": 8192, "fraction": 0.5},
+                link={"kind": "emulated", "gbps": 2.0, "latency_us": 20.0, "emulated": True},
+                hit_rate=0.75, lossless=True, transfer_wait_s=0.1, io_wait_share=0.25)
+    text = format_summary(full)
+    assert "8 experts, 8,192 bytes, 50%" in text
+    assert "emulated 2.0 GB/s 20.0 us (emulated)" in text
+    assert any(line.startswith("lossless") and line.rstrip().endswith("True") for line in text.splitlines())
+    assert any(line.startswith("hit rate") and "0.75" in line for line in text.splitlines())
