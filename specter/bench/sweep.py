@@ -222,6 +222,7 @@ class Sweep:
                 "compile_stats": last.get("compile"), "offload": last.get("offload"),
                 "phases": last.get("phases"), "decode_step_s": last.get("decode_step_s"),
                 "governor_summary": last.get("governor") if meta["engine"] == "specter" else None,
+                "link_stats": last.get("link"),
             })
         return out
 

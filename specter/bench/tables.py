@@ -246,6 +246,20 @@ def governor_section(bench: dict) -> list[str]:
     return lines
 
 
+def disk_section(bench: dict) -> list[str]:
+    """Rows whose link read from disk: the bandwidth the disk delivered while reads were in flight,
+    bytes read per decoded token, the read mode and the I/O wait share."""
+    rows = [r for r in bench.get("rows") or [] if isinstance(r.get("link_stats"), dict)
+            and r["link_stats"].get("bytes_read") is not None]
+    if not rows:
+        return []
+    return _rows_table(("engine", "where", "read mode", "disk GB/s (while reading)", "GB read", "I/O wait share"), (
+        (row.get("label") or row.get("engine") or "?", _where(row), row["link_stats"].get("io") or "-",
+         _num(row["link_stats"].get("read_gbps"), 3), _num(_mul(row["link_stats"].get("bytes_read"), 1e-9), 2),
+         _share(row.get("io_wait_share")))
+        for row in rows))
+
+
 def markdown(bench: dict) -> str:
     rows = bench.get("rows") or []
     cell_rows = [r for r in rows if r.get("budget") is not None and r.get("link") is not None]
@@ -263,6 +277,7 @@ def markdown(bench: dict) -> str:
     if independent:
         lines += ["", "### budget-independent", ""] + table(independent, independent=True)
     for title, section in (("Where the time goes (specter rows)", phase_table(bench)),
+                           ("Disk reads (last repeat, prefill included)", disk_section(bench)),
                            ("Governor", governor_section(bench))):
         if section:
             lines += ["", f"### {title}", ""] + section

@@ -10,7 +10,9 @@ governor (``check_next_k``). ``accepted`` counts accepted draft tokens (the bonu
 excluded), so ``0 <= accepted <= drafted``. ``timings`` are the round's measured phases:
 ``draft_s``, ``flush_s``, ``verify_s`` (its transfer wait included), ``verify_io_wait_s``,
 ``host_s``, ``round_s`` (seconds) and ``draft_steps``, ``experts_read`` (counts); a governor
-ignores names it does not use. A governor may offer ``summary() -> dict`` for the report.
+ignores names it does not use. ``summary() -> dict`` is the report's ``governor`` entry (default:
+its name) and covers the rounds since the last ``new_report()``, which the engine calls at the
+start of every ``generate`` (what the governor learned is kept across reports).
 Built-ins (``specter.decode.governors``): ``fixed`` (always k) and ``roofline``
 (``specter.decode.roofline``).
 """
@@ -39,6 +41,14 @@ class Governor(ABC):
     @abstractmethod
     def observe(self, drafted: int, accepted: int, **timings: float) -> None:
         """Record one verified step: ``accepted`` of ``drafted`` draft tokens were kept."""
+
+    def new_report(self) -> None:
+        """A new report starts (one ``generate`` call): ``summary()`` covers the rounds from here
+        on, while what the governor has learned stays. The default keeps nothing per report."""
+
+    def summary(self) -> dict:
+        """The report's ``governor`` entry; the default names the governor."""
+        return {"name": self.name}
 
 
 def check_k(k: object) -> int:

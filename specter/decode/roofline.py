@@ -102,6 +102,7 @@ class RooflineGovernor(Governor):
         self.last_k: int | None = None
         self.predicted_round_s: float | None = None
         self.history: list[dict] = []  # per round: k, probe, predicted and measured seconds
+        self._report_from = 0  # the first round of the current report (new_report)
         self._speculating: bool | None = None
         self._calibration = list(dict.fromkeys([k, 0, 1, min(2, k_max)]))
         self._interval, self._next_probe, self._probes, self._last_best = probe_every, probe_every, 0, None
@@ -233,12 +234,17 @@ class RooflineGovernor(Governor):
             if entry["k"] != drafted:  # the engine shortened the round (end of generation)
                 entry["probe"] = True
 
+    def new_report(self) -> None:
+        self._report_from = len(self.history)
+
     def summary(self) -> dict:
-        """The report's governor entry: the roofline table, the k chosen per round, and how far
-        the predicted round times were from the measured ones."""
+        """The report's governor entry: the roofline table, and over the rounds since
+        ``new_report``, the k chosen per round and how far the predicted round times were from
+        the measured ones."""
         per_k = {}
-        for k in sorted({h["k"] for h in self.history}):
-            pairs = [(h["predicted_round_s"], h["measured_round_s"]) for h in self.history
+        history = self.history[self._report_from:]
+        for k in sorted({h["k"] for h in history}):
+            pairs = [(h["predicted_round_s"], h["measured_round_s"]) for h in history
                      if h["k"] == k and h["predicted_round_s"] and h["measured_round_s"] and not h["probe"]]
             if pairs:
                 predicted = statistics.median(p for p, _ in pairs)
@@ -247,5 +253,5 @@ class RooflineGovernor(Governor):
                                  "error": abs(predicted - measured) / measured}
         main = max(per_k.values(), key=lambda row: row["rounds"], default=None)
         return {"name": self.name, "k_max": self.k_max, "table": self.table(),
-                "trace": [h["k"] for h in self.history], "probes": sum(h["probe"] for h in self.history),
+                "trace": [h["k"] for h in history], "probes": sum(h["probe"] for h in history),
                 "prediction": per_k, "prediction_error": main["error"] if main else None}

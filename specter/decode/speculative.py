@@ -159,9 +159,12 @@ class SpecterEngine(PrefetchingEngine):
         device_bytes["total"] += self.draft_bytes
         report["draft"] = {"bits": 4, "group_size": next(iter(self.draft.values())).group_size,
                            "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.lookahead_last}
-        summary = getattr(self.governor, "summary", None)
-        report["governor"] = summary() if callable(summary) else {"name": getattr(self.governor, "name", None)}
+        report["governor"] = call_plugin("governor", self.governor, "summary")
         return report
+
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        call_plugin("governor", self.governor, "new_report")
 
     def _draft_steps(self, k: int) -> int:
         """Draft forward passes for k drafted tokens: k, plus the routing-only one (lookahead_last)."""

@@ -188,3 +188,13 @@ def test_extra_sections_tolerate_missing_fields(bench):
     assert "| specter roofline (roofline) | 25% / fast / eager | - | - | 5 |" in governor
     assert "Roofline table of specter roofline (25% / fast / eager):" in governor
     assert "| 0 | - | - | - |" in governor and "| - | - | - | - |" in governor
+
+
+def test_disk_reads_section_shows_the_bandwidth_the_disk_delivered(bench):
+    assert "Disk reads" not in markdown(bench)
+    row = bench["rows"][0]
+    row["link_stats"] = {"kind": "disk", "io": "O_DIRECT", "bytes_read": 2_500_000_000, "busy_s": 5.0,
+                         "read_gbps": 0.5, "emulated": False}
+    text = markdown(bench)
+    section = text[text.index("### Disk reads"):]
+    assert "| O_DIRECT | 0.500 | 2.50 |" in section
