@@ -12,7 +12,10 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   costs a fixed part plus a part per distinct expert it reads, so for T >= 2 ``V(T) = a + b *
   distinct(T)`` (``distinct_experts``: T tokens of top-k routing over E experts), the line fitted
   (weighted least squares, ``a, b >= 0``) through the moving averages of the drafted widths
-  measured so far; a plain round (T = 1: no draft to hide transfers behind) keeps its own
+  measured so far, each weighted by its sample count and halved every ``STALE_HALF_LIFE`` rounds
+  since it was last measured, and a width measured again after a long gap moves its average
+  towards the new sample by ``1 - 0.5 ** (gap / STALE_HALF_LIFE)`` at least (so that after a
+  change the fresh measurements lead); a plain round (T = 1: no draft to hide transfers behind) keeps its own
   average. Before any drafted width is measured, widths scale from T = 1 by distinct experts;
   with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being
   estimated as ``t_draft / draft_ratio``.
@@ -22,7 +25,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   when speculation is off) so that estimates stay fresh and it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
   most 8 x ``probe_every``), back to ``probe_every`` when the choice changes, and two rounds
-  after a probe whose first draft token was accepted (or rejected) against the odds. The first
+  after a probe whose first draft token was accepted (or rejected) against the odds or a round
+  whose time was more than ``TIME_SURPRISE`` off its prediction. The first
   rounds visit k0, 0, 1 and 2 to calibrate.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored.
@@ -43,6 +47,8 @@ log = logging.getLogger("specter.governor")
 ACCEPTANCE_EMA = 0.1  # per observed draft position
 MIN_POSITION_SAMPLES = 20
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
+TIME_SURPRISE = 0.35  # a round this far (relative) from its predicted time makes the governor look around
+STALE_HALF_LIFE = 24  # rounds: a width's verify average loses half its weight in the fit per this many
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
 
 
@@ -74,8 +80,9 @@ class Ema:
         self.weight = weight
         self.value: float | None = None
 
-    def update(self, sample: float) -> None:
-        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
+    def update(self, sample: float, weight: float | None = None) -> None:
+        weight = self.weight if weight is None else max(weight, self.weight)
+        self.value = sample if self.value is None else (1 - weight) * self.value + weight * sample
 
 
 class RooflineGovernor(Governor):
@@ -98,6 +105,7 @@ class RooflineGovernor(Governor):
         self.host = Ema(ema)
         self.verify: dict[int, Ema] = {}  # width T -> flush + verify seconds
         self.verify_count: dict[int, int] = {}
+        self.verify_round: dict[int, int] = {}  # the round each width was last measured
         self.rounds = 0
         self.last_k: int | None = None
         self.predicted_round_s: float | None = None
@@ -133,7 +141,9 @@ class RooflineGovernor(Governor):
         seen = {t: e.value for t, e in self.verify.items() if e.value is not None}
         if width == 1 and 1 in seen:
             return seen[1]
-        drafted = [(u(t), v, min(self.verify_count[t], MIN_POSITION_SAMPLES)) for t, v in seen.items() if t > 1]
+        drafted = [(u(t), v, min(self.verify_count[t], MIN_POSITION_SAMPLES)
+                    * 0.5 ** ((self.rounds - self.verify_round[t]) / STALE_HALF_LIFE))
+                   for t, v in seen.items() if t > 1]
         if drafted:
             intercept, slope = fit_line(drafted)
             return intercept + slope * u(width)
@@ -224,13 +234,21 @@ class RooflineGovernor(Governor):
             self.draft_step.update(timings["draft_s"] / steps)
         if "verify_s" in timings:
             width = drafted + 1
-            self.verify.setdefault(width, Ema(self.weight)).update(timings["verify_s"] + timings.get("flush_s", 0.0))
+            age = self.rounds - self.verify_round.get(width, self.rounds)
+            staleness = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
+            self.verify.setdefault(width, Ema(self.weight)).update(timings["verify_s"] + timings.get("flush_s", 0.0),
+                                                                   staleness)
             self.verify_count[width] = self.verify_count.get(width, 0) + 1
+            self.verify_round[width] = self.rounds
         if "host_s" in timings:
             self.host.update(max(0.0, timings["host_s"]))
         if self.history and "round_s" in timings:
             entry = self.history[-1]
             entry["measured_round_s"] = timings["round_s"]
+            predicted = entry["predicted_round_s"]
+            if predicted and not entry["probe"] and abs(timings["round_s"] - predicted) > TIME_SURPRISE * predicted:
+                # the machine or the link changed under the estimates: look around again soon
+                self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
             if entry["k"] != drafted:  # the engine shortened the round (end of generation)
                 entry["probe"] = True
 

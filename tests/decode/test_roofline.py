@@ -104,6 +104,17 @@ def test_k_grows_when_the_link_slows_down():
     assert slow > fast
 
 
+def test_after_a_long_steady_run_a_faster_link_is_noticed_and_k_comes_back():
+    machine = Machine(0.8, 2e-2, per_expert=2e-3, draft=1e-3)
+    governor = RooflineGovernor(k=2)
+    slow = settled(drive(governor, machine, 300))  # probes have backed off to their longest interval
+    machine.io = 0.0
+    after = drive(governor, machine, 100)
+    best_k = Machine(0.8, 0.0, per_expert=2e-3, draft=1e-3).best_k()
+    assert best_k < slow
+    assert settled(after) == best_k
+
+
 def test_predicted_round_time_matches_the_measured_one():
     machine = Machine(0.9, 1e-3)
     governor = RooflineGovernor(k=4)
