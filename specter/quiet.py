@@ -29,6 +29,7 @@ def quiet_third_party() -> None:
         return
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's enum registrations
     warnings.filterwarnings("ignore", message=r".*_pytree.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*_pytree.*", category=DeprecationWarning)
     warnings.filterwarnings("ignore", message=r".*_pytree.*", category=UserWarning)
@@ -56,5 +57,6 @@ def unquiet() -> None:
     at its import): for ``--verbose``."""
     os.environ[VERBOSE_ENV] = "1"
     logging.getLogger("torchao").setLevel(logging.NOTSET)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.NOTSET)
     warnings.filters[:] = [f for f in warnings.filters if not (f[0] == "ignore" and f[1] is not None
                                                                and "_pytree" in f[1].pattern)]

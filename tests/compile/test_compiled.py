@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import specter
+from specter.decode.governor import Governor
 from specter.compile.decoder import CompiledDecoder, StaticKV, compile_engine, unsupported_reason
 from specter.errors import SpecterError
 from specter.kernels.slot_experts import gather_experts, slots_for
@@ -73,8 +74,10 @@ def test_compiled_offloaded_engines_match_eager(checkpoint, eager_resident, engi
     engine.close()
 
 
-class CyclingGovernor:
+class CyclingGovernor(Governor):
     """Drafts k from a fixed cycle (exercises every verification length)."""
+
+    name = "cycling"
 
     def __init__(self, ks: list[int]) -> None:
         self._ks = itertools.cycle(ks)

@@ -35,6 +35,8 @@ def test_four_thousand_tokens_with_flat_memory_and_a_clean_thread_exit(tiny_mixt
     result = engine.generate(prompt, max_new_tokens=4000)
     grown = rss_mib() - settled
     engine.close()
+    print(f"soak: {len(result.token_ids[0])} tokens, resident memory grew {grown:.1f} MiB, "
+          f"{result.report['decode_tokens_per_s']:.1f} tok/s")
     assert len(result.token_ids[0]) == 4000 or engine.eos_token_id in result.token_ids[0]
     assert grown < 64, f"resident memory grew {grown:.0f} MiB over 4,000 tokens"
     assert threading.active_count() == threads_before
@@ -53,5 +55,6 @@ def test_ctrl_c_ends_a_run_within_five_seconds(tiny_mixtral, tmp_path):
     started = time.perf_counter()
     process.send_signal(signal.SIGINT)
     code = process.wait(timeout=10)
+    print(f"SIGINT: exit {code} after {time.perf_counter() - started:.2f} s")
     assert time.perf_counter() - started < 5
     assert code == 130
