@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from functools import cached_property
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -56,6 +57,20 @@ def make_link(recipe, device: torch.device):
     return registry().create("link", kind, options, key="offload.link.kind", expect=Link, device=device)
 
 
+class OffloadedParts(NamedTuple):
+    """The arguments of ``OffloadedEngine``, in order (``OffloadedEngine(*parts.offloaded)``)."""
+
+    recipe: object
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    path: Path
+    layers: list
+    store: object
+    cache: ExpertCache
+    link: Link
+
+
 def slots_for_budget(recipe, store, top_k: int) -> int:
     return budget_slots(recipe.offload.expert_budget, len(store.layers), store.n_experts, store.expert_bytes, top_k)
 
@@ -66,8 +81,8 @@ class EngineParts:
     ``recipe``, ``device``, ``dtype``, ``path`` (checkpoint directory), ``tokenizer`` are ready;
     ``resident_model`` loads every weight on the device; ``offloaded`` loads the dense weights on
     the device and the experts into a host store, with a cache of ``offload.expert_budget`` slots
-    behind the recipe's link and cache policy: ``(recipe, model, tokenizer, device, path, layers,
-    store, cache, link)``, the arguments of ``OffloadedEngine``. ``predictor(name=None)`` and
+    behind the recipe's link and cache policy: an ``OffloadedParts``, the arguments of
+    ``OffloadedEngine``. ``predictor(name=None)`` and
     ``governor()`` create the recipe's speculation plugins (``top_k``/``n_experts`` offered).
     """
 
@@ -89,7 +104,7 @@ class EngineParts:
         return model
 
     @cached_property
-    def offloaded(self) -> tuple:
+    def offloaded(self) -> OffloadedParts:
         recipe = self.recipe
         model, layers, store = load_model(self.path, keep_experts_on_host=True, pin_memory=recipe.offload.pin_memory,
                                           experts_on_disk=recipe.offload.experts_on == "disk",
@@ -102,10 +117,10 @@ class EngineParts:
         verify = recipe.offload.verify_copies or os.environ.get("SPECTER_VERIFY_COPIES", "") not in ("", "0")
         cache = ExpertCache(store, n_slots, self.device, link, policy,
                             transfer_timeout_s=recipe.offload.transfer_timeout_s, verify_copies=verify)
-        return (recipe, model, self.tokenizer, self.device, self.path, layers, store, cache, link)
+        return OffloadedParts(recipe, model, self.tokenizer, self.device, self.path, layers, store, cache, link)
 
     def _shape(self) -> dict:
-        layers, store = self.offloaded[5], self.offloaded[6]
+        layers, store = self.offloaded.layers, self.offloaded.store
         return {"n_experts": store.n_experts, "top_k": max(m.top_k for m in layers)}
 
     def predictor(self, name: str | None = None):

@@ -32,7 +32,7 @@ def router_lookahead(parts):
 def specter_engine(parts):
     from specter.decode.speculative import SpecterEngine, build_draft
 
-    recipe, layers, store = parts.recipe, parts.offloaded[5], parts.offloaded[6]
+    recipe, layers, store = parts.recipe, parts.offloaded.layers, parts.offloaded.store
     spec = recipe.speculation
     draft = build_draft(layers, store, parts.device, spec.draft.group_size)
     return SpecterEngine(*parts.offloaded, predictor=parts.predictor(), governor=parts.governor(), draft=draft,

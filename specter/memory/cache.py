@@ -36,27 +36,19 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from specter.errors import BudgetError, SpecterError
 from specter.memory.stats import CacheStats
 from specter.plugins import call_plugin
-from specter.memory.link import Link, Transfer, TransferTimeout, copy_all, wait_for
+from specter.memory.link import Link, Transfer, TransferTimeout, checksum, copy_all, wait_for
 from specter.policies.base import CachePolicy, ExpertKey
 from specter.memory.store import ExpertStore
 
 
 MAX_RELOADS = 16  # faulty copies one cache repairs from its store before calling the link broken
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def checksum(tensors: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
-    """A cheap content checksum: the integer sum of each tensor's raw words (bit flips, zeroed or
-    stale bytes change it with overwhelming likelihood)."""
-    return tuple(int(t.contiguous().view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64))
-                 for _, t in sorted(tensors.items()))
 
 
 class SlotState(enum.Enum):
@@ -274,8 +266,7 @@ class ExpertCache:
                 if not candidates:
                     raise BudgetError(f"preload of {key}: every one of the {self.n_slots} slots is pinned")
                 slot = self._evict(call_plugin("cache_policy", self.policy, "choose_victim", candidates), counted=False)
-            for name, tensor in self.store.expert(*key).items():
-                self.slots[name][slot].copy_(tensor)
+            copy_all(self.slot_views(slot), self.store.expert(*key))
             self._occupy(key, slot)
             self._mark_ready(slot)
 

@@ -79,7 +79,7 @@ class CheckpointIndex:
             raise SpecterError(f"model: {self.directory} has no safetensors files for the disk tier")
         self.tensors: dict[str, TensorRange] = {}
         for file in files:
-            self.tensors.update(_read_header(file))
+            self.tensors.update(read_header(file))
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -88,30 +88,43 @@ class CheckpointIndex:
         return list(self.tensors)
 
 
-def _read_header(file: Path) -> dict[str, TensorRange]:
+def read_header(file: Path) -> dict[str, TensorRange]:
+    """Every tensor of one safetensors file, after checking that the 8-byte header length, the
+    JSON header and every tensor's byte range fit the file; a missing, truncated or corrupt file
+    is a ``SpecterError`` naming it. Tensors of dtypes experts never have are left out."""
+    def corrupt(reason: str) -> SpecterError:
+        return SpecterError(f"model: {file} is truncated or corrupt ({reason}); re-download or re-save the checkpoint")
+
     try:
         size = file.stat().st_size
         with file.open("rb") as handle:
-            header_len = int.from_bytes(handle.read(8), "little")
-            if not 0 < header_len <= size - 8:
-                raise ValueError(f"header length {header_len} in a {size}-byte file")
+            head = handle.read(8)
+            if len(head) < 8:
+                raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
+            header_len = int.from_bytes(head, "little")
+            if header_len > size - 8 or header_len > 100_000_000:
+                raise corrupt(f"header of {header_len} bytes in a {size}-byte file")
             header = json.loads(handle.read(header_len))
     except FileNotFoundError:
         raise SpecterError(f"model: shard {file} is missing") from None
-    except (OSError, ValueError) as error:
-        raise SpecterError(f"model: {file} is truncated or corrupt ({error})") from None
-    base = 8 + header_len
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise corrupt(f"unreadable header: {error}") from None
+    if not isinstance(header, dict):
+        raise corrupt("the header is not a JSON object")
+    base, data_bytes = 8 + header_len, size - 8 - header_len
     found = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        start, end = (base + offset for offset in entry["data_offsets"])
-        if end > size:
-            raise SpecterError(f"model: {file} is truncated: tensor {name!r} ends at byte {end:,} of {size:,}")
-        dtype = _DTYPES.get(entry["dtype"])
-        if dtype is None:
-            continue  # a dtype experts never have (e.g. F8 scales): not indexed
-        found[name] = TensorRange(name, file, dtype, tuple(entry["shape"]), start, end)
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise corrupt(f"tensor {name!r} has no valid data_offsets")
+        if offsets[1] > data_bytes:
+            raise corrupt(f"tensor {name!r} ends at byte {offsets[1]:,} of a {data_bytes:,}-byte data section")
+        dtype = _DTYPES.get(entry.get("dtype"))
+        if dtype is not None:  # other dtypes (e.g. F8 scales) are never experts: not indexed
+            found[name] = TensorRange(name, file, dtype, tuple(entry["shape"]), base + offsets[0], base + offsets[1])
     return found
 
 
@@ -266,10 +279,11 @@ class DiskExperts:
 
     def _read_buffered(self, file: Path, start: int, end: int) -> memoryview:
         fd = self._fd(file, False)
-        data = os.pread(fd, end - start, start)
+        buffer = bytearray(end - start)  # read in place: no second copy of the bytes
+        got = os.preadv(fd, [buffer], start)
         if self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-        return memoryview(bytearray(data))
+        return memoryview(buffer)[:got]
 
     def reset_counters(self) -> None:
         with self._lock:

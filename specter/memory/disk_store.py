@@ -24,6 +24,7 @@ import torch
 
 from specter.errors import SpecterError
 from specter.memory.disk import DiskExperts
+from specter.memory.store import check_key, expert_nbytes
 from specter.memory.link import CompletedTransfer, Link, Tensors, Transfer, TransferTimeout, copy_all, transfer_nbytes
 
 
@@ -79,18 +80,14 @@ class DiskStore:
 
     @property
     def expert_bytes(self) -> int:
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return sum(int(torch.Size(shape).numel()) * item for shape in self.param_shapes.values())
+        return expert_nbytes(self.param_shapes, self.dtype)
 
     @property
     def total_bytes(self) -> int:
         return self.expert_bytes * self._n_experts * len(self.layers)
 
     def expert(self, layer: int, expert: int) -> DiskSource:
-        if layer not in self.disk.layers:
-            raise KeyError(f"layer {layer} is not an MoE layer of this store (have {self.layers})")
-        if not 0 <= expert < self._n_experts:
-            raise IndexError(f"expert {expert} out of range 0..{self._n_experts - 1}")
+        check_key(self.layers, self._n_experts, layer, expert)
         return DiskSource(self.disk, layer, expert)
 
     def stacked(self, layer: int) -> dict[str, torch.Tensor]:

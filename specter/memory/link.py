@@ -9,8 +9,8 @@ seconds pass first; a copy that failed raises its error from ``wait``. ``wait_fo
 timeout)`` applies a deadline to any transfer, also one whose ``wait`` takes no timeout (that
 wait then runs on a watchdog thread). ``Link.release_slot(slot)`` says compute no longer reads the
 slot, so a later copy into it must not overtake those reads. ``close()`` frees the link's
-resources; submitting afterwards is an error. ``copy_all`` and ``CompletedTransfer`` serve link
-authors; the built-in links are in ``specter.memory.links``.
+resources; submitting afterwards is an error. ``copy_all``, ``checksum`` and
+``CompletedTransfer`` serve link authors (the cache checks arrivals with ``checksum``); the built-in links are in ``specter.memory.links``.
 """
 
 from __future__ import annotations
@@ -71,6 +71,16 @@ class Link(ABC):
         """The link's entry in a report."""
         return {"kind": self.kind, "gbps": self.gbps, "latency_us": self.latency_us,
                 "emulated": self.emulated}
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(tensors: Tensors) -> tuple[int, ...]:
+    """A cheap content checksum of a copy's tensors: the integer sum of each tensor's raw words
+    (bit flips, zeroed or stale bytes change it with overwhelming likelihood)."""
+    return tuple(int(t.contiguous().view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64))
+                 for _, t in sorted(tensors.items()))
 
 
 def transfer_nbytes(src: Tensors) -> int:

@@ -63,23 +63,33 @@ class ExpertStore:
 
     @property
     def expert_bytes(self) -> int:
-        item = torch.empty((), dtype=self._dtype).element_size()
-        return sum(_numel(shape) * item for shape in self._param_shapes.values())
+        return expert_nbytes(self._param_shapes, self._dtype)
 
     @property
     def total_bytes(self) -> int:
         return self.expert_bytes * self._n_experts * len(self._layers)
 
     def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        if layer not in self._layers:
-            raise KeyError(f"layer {layer} is not an MoE layer of this store (have {self.layers})")
-        if not 0 <= expert < self._n_experts:
-            raise IndexError(f"expert {expert} out of range 0..{self._n_experts - 1}")
+        check_key(self.layers, self._n_experts, layer, expert)
         return {name: stacked[expert] for name, stacked in self._layers[layer].items()}
 
     def stacked(self, layer: int) -> dict[str, torch.Tensor]:
         """The stacked host tensors of one layer, ``{name: [n_experts, ...]}`` (not copies)."""
         return dict(self._layers[layer])
+
+
+def expert_nbytes(param_shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> int:
+    """Bytes of one expert whose parameters have these per-expert shapes and dtype."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(_numel(shape) * item for shape in param_shapes.values())
+
+
+def check_key(layers: list[int], n_experts: int, layer: int, expert: int) -> None:
+    """``KeyError`` for a layer the store lacks, ``IndexError`` for an expert out of range."""
+    if layer not in layers:
+        raise KeyError(f"layer {layer} is not an MoE layer of this store (have {layers})")
+    if not 0 <= expert < n_experts:
+        raise IndexError(f"expert {expert} out of range 0..{n_experts - 1}")
 
 
 def _signature(

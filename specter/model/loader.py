@@ -15,7 +15,6 @@ Contract:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -60,35 +59,19 @@ def check_weights_format(path: Path, allow_pickle: bool) -> bool:
 
 
 def check_safetensors(file: Path) -> None:
-    """Refuse a truncated or corrupt safetensors file, naming it, before transformers reads it:
-    the 8-byte header length, the JSON header and every tensor's byte range must fit the file."""
-    def corrupt(reason: str) -> SpecterError:
-        return SpecterError(f"model: {file} is truncated or corrupt ({reason}); re-download or re-save the checkpoint")
+    """Refuse a truncated or corrupt safetensors file, naming it, before transformers reads it
+    (``specter.memory.disk.read_header`` checks the header and every tensor's byte range)."""
+    from specter.memory.disk import read_header
 
-    try:
-        size = file.stat().st_size
-        with file.open("rb") as handle:
-            head = handle.read(8)
-            if len(head) < 8:
-                raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
-            header_len = int.from_bytes(head, "little")
-            if header_len > size - 8 or header_len > 100_000_000:
-                raise corrupt(f"header of {header_len} bytes in a {size}-byte file")
-            header = json.loads(handle.read(header_len))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise corrupt(f"unreadable header: {error}") from None
-    if not isinstance(header, dict):
-        raise corrupt("the header is not a JSON object")
-    data_bytes = size - 8 - header_len
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise corrupt(f"tensor {name!r} has no valid data_offsets")
-        if offsets[1] > data_bytes:
-            raise corrupt(f"tensor {name!r} ends at byte {offsets[1]:,} of a {data_bytes:,}-byte data section")
+    read_header(file)
+
+
+def _leave_placeholders(info: MoELayer) -> None:
+    """Replace the layer's stacked expert parameters by empty ones of the same per-expert shape."""
+    for name in info.param_names:
+        param = getattr(info.experts, name)
+        placeholder = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
+        setattr(info.experts, name, nn.Parameter(placeholder, requires_grad=False))
 
 
 def split_experts(model: nn.Module, pin: bool) -> tuple[list[MoELayer], ExpertStore]:
@@ -96,14 +79,8 @@ def split_experts(model: nn.Module, pin: bool) -> tuple[list[MoELayer], ExpertSt
     layers = moe_layers(model)
     host: dict[int, dict[str, torch.Tensor]] = {}
     for info in layers:
-        tensors = {}
-        for name in info.param_names:
-            param = getattr(info.experts, name)
-            tensors[name] = param.detach().to("cpu")
-            placeholder = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
-            setattr(info.experts, name, nn.Parameter(placeholder, requires_grad=False))
-            del param
-        host[info.layer] = tensors
+        host[info.layer] = {name: getattr(info.experts, name).detach().to("cpu") for name in info.param_names}
+        _leave_placeholders(info)
     return layers, ExpertStore(host, pin=pin)
 
 
@@ -118,10 +95,7 @@ def experts_to_disk(model: nn.Module, path: Path, direct_io: bool):
     disk = DiskExperts(CheckpointIndex(path), layers, dtype, direct=direct_io)
     for info in layers:
         disk.check(info.layer, {name: getattr(info.experts, name).detach() for name in info.param_names})
-        for name in info.param_names:
-            param = getattr(info.experts, name)
-            placeholder = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
-            setattr(info.experts, name, nn.Parameter(placeholder, requires_grad=False))
+        _leave_placeholders(info)
     disk.reset_counters()
     return layers, DiskStore(disk, layers[0].num_experts)
 

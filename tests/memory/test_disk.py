@@ -87,9 +87,8 @@ def test_a_short_read_while_decoding_names_the_file_and_tensor(sharded, monkeypa
     import os
 
     engine = specter.load(recipe(sharded, expert_budget={"experts": 2}, direct_io=direct_io))
-    real_preadv, real_pread = os.preadv, os.pread
+    real_preadv = os.preadv  # both read modes read through preadv
     monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: min(real_preadv(fd, buffers, offset), 100))
-    monkeypatch.setattr(os, "pread", lambda fd, n, offset: real_pread(fd, min(n, 100), offset))
     with pytest.raises(SpecterError, match=r"disk tier: short read of tensor '.*experts.*' from .*\.safetensors"):
         engine.generate(PROMPTS)
     monkeypatch.undo()
