@@ -4,7 +4,9 @@ Contract: ``build_engine(recipe)`` loads the recipe's model the way its engine n
 returns an ``Engine``; ``engine.generate(prompts)`` (texts or token-id lists) returns a
 ``GenerationResult`` with texts, token ids and the ``specter.report/1`` report. Engines:
 
-- ``resident``: every weight on the device; the model's own experts implementation (the speed limit).
+- ``resident``: every weight on the device (the speed limit); on a CPU its experts run through the
+  same grouped kernel as the offloaded engines' slots (``specter.kernels.grouped_experts``) where
+  the layout allows, else the model's own experts implementation.
 - ``ondemand``: dense weights on the device, experts in a host store, an LRU (or any policy)
   device cache of experts loaded on a miss, no prefetch (mixtral-offloading's strategy).
 - ``hf-offload``: the external baseline, transformers + accelerate offloading (CUDA: experts that
@@ -25,7 +27,7 @@ import torch
 
 from specter.memory.stats import CacheStats
 from specter.errors import SpecterError
-from specter.experts.runtime import ExpertRuntime, install
+from specter.experts.runtime import ExpertRuntime, install, use_grouped_kernel
 from specter.decode.kv import forward_logits, new_kv_cache, synchronize
 from specter.report.metrics import GenerationMetrics
 from specter.decode.sampling import SamplingParams, sample
@@ -239,6 +241,10 @@ class ResidentEngine(Engine):
 
     name = "resident"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.expert_kernel = "specter-grouped" if use_grouped_kernel(self.model) else "transformers"
+
     def engine_report(self) -> dict:
         from specter.model.layout import moe_layers
 
@@ -249,6 +255,7 @@ class ResidentEngine(Engine):
         n_experts = sum(m.num_experts for m in layers)
         return {
             "expert_budget": {"experts": n_experts, "bytes": expert_bytes, "fraction": 1.0},
+            "expert_kernel": self.expert_kernel,
             "device_bytes": {"draft": None, "cache": expert_bytes, "dense": dense, "total": dense + expert_bytes},
         }
 

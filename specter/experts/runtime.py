@@ -1,6 +1,10 @@
 """The experts implementation Specter registers with transformers, and the runtime behind it.
 
 Contract:
+- ``use_grouped_kernel(model)`` points a model whose experts stay its own (the ``resident``
+  engine) at ``specter.kernels.grouped_experts`` on a CPU, when every experts module has the
+  layout it covers, so that the resident speed limit uses the same expert kernel as the offloaded
+  engines; returns whether it did.
 - ``install(model, runtime)`` registers the ``"specter"`` experts implementation
   (``transformers.integrations.moe.ExpertsInterface``) and points every routed-experts module of
   the model at ``runtime``; ``uninstall(model)`` restores the model's previous implementation.
@@ -8,9 +12,11 @@ Contract:
   computes one MoE layer. In ``target`` mode the full-precision experts come from device cache
   slots (loaded on demand when missing); in ``draft`` mode from the layer's resident INT4 copy.
   Every call first reports the routing to the runtime's observers (predictors, metrics).
-- Slot computation reuses transformers' own grouped-GEMM expert math
-  (``grouped_mm_experts_forward``) over the slot tensors, with expert ids remapped to slot ids, so
-  its arithmetic is the model's own and greedy tokens stay identical to the resident model.
+- Slot computation runs straight from the slot tensors with expert ids remapped to slot ids: on
+  a CPU, for the common gated layout, ``specter.kernels.grouped_experts`` (every needed expert
+  read once for all the tokens routed to it, no per-expert Python loop, no host sync); otherwise
+  transformers' own grouped-GEMM expert math (``grouped_mm_experts_forward``). Both agree with
+  the model's own experts to float rounding.
 - When a layer needs more distinct experts than the cache has slots (a long prefill), the experts
   are streamed through the slots in chunks; chunk outputs are summed per token.
 - Outside inference mode with inputs that require grad, a layer computes from a copy of its slots
@@ -28,9 +34,11 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
+from specter.kernels.grouped_experts import grouped_experts, supports
 from specter.model.layout import MoELayer
 
 IMPLEMENTATION_NAME = "specter"
+GROUPED_IMPLEMENTATION_NAME = "specter-grouped"
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, str], None]
 """(layer, hidden [T,H], top_k_index [T,k], top_k_weights [T,k], mode "target" | "draft")"""
 
@@ -45,9 +53,31 @@ def _specter_experts_forward(
     return runtime.forward(self._specter_layer, self, hidden_states, top_k_index, top_k_weights)
 
 
+def _grouped_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    if hidden_states.device.type != "cpu" or not supports(self):
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return grouped_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                           self._apply_gate)
+
+
 def register_implementation() -> None:
     if IMPLEMENTATION_NAME not in ExpertsInterface._global_mapping:
         ExpertsInterface.register(IMPLEMENTATION_NAME, _specter_experts_forward)
+    if GROUPED_IMPLEMENTATION_NAME not in ExpertsInterface._global_mapping:
+        ExpertsInterface.register(GROUPED_IMPLEMENTATION_NAME, _grouped_experts_forward)
+
+
+def use_grouped_kernel(model: nn.Module) -> bool:
+    from specter.model.layout import moe_layers
+
+    layers = moe_layers(model)
+    if not layers or any(not supports(m.experts) or m.experts.gate_up_proj.device.type != "cpu" for m in layers):
+        return False
+    register_implementation()
+    model.set_experts_implementation(GROUPED_IMPLEMENTATION_NAME)
+    return True
 
 
 class SlotView(nn.Module):
@@ -84,6 +114,7 @@ class ExpertRuntime:
         self.mode = "target"
         self.observers: list[RoutingObserver] = []
         self._views = {m.layer: SlotView(m.experts, cache.slots) for m in layers} if cache is not None else {}
+        self._grouped = {m.layer: supports(m.experts) for m in layers}
 
     @contextlib.contextmanager
     def drafting(self) -> Iterator[None]:
@@ -137,6 +168,9 @@ class ExpertRuntime:
                                 {name: buffer.index_select(0, slot_ids) for name, buffer in self.cache.slots.items()})
                 slot_ids = torch.arange(len(slots), dtype=lookup.dtype, device=lookup.device)
             lookup[torch.tensor(experts, device=lookup.device)] = slot_ids
+            if self._grouped[layer] and hidden.device.type == "cpu":
+                return grouped_experts(hidden, lookup[top_k_index], top_k_weights, view.gate_up_proj,
+                                       view.down_proj, view._apply_gate)
             return grouped_mm_experts_forward(view, hidden, lookup[top_k_index], top_k_weights)
         finally:
             self.cache.release(layer, experts)
