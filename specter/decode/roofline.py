@@ -8,25 +8,33 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
 - Round time: ``T(k) = host + steps(k) * t_draft + V(k + 1)``. ``t_draft`` is the moving average of
   one draft step (``steps(k) = k + 1`` with the routing-only step, 0 for k = 0); ``V(T)`` is the
   flush + verification time of a width-T pass, transfer waits included, so the link's bandwidth,
-  the cache and streaming are all in it as they are on this machine. A memory-bound verification
-  costs a fixed part plus a part per distinct expert it reads, so for T >= 2 ``V(T) = a + b *
-  distinct(T)`` (``distinct_experts``: T tokens of top-k routing over E experts), the line fitted
-  (weighted least squares, ``a, b >= 0``) through the moving averages of the drafted widths
-  measured so far, each weighted by its sample count and halved every ``STALE_HALF_LIFE`` rounds
-  since it was last measured, and a width measured again after a long gap moves its average
-  towards the new sample by ``1 - 0.5 ** (gap / STALE_HALF_LIFE)`` at least (so that after a
-  change the fresh measurements lead); a plain round (T = 1: no draft to hide transfers behind) keeps its own
+  the cache and streaming are all in it as they are on this machine. Each width keeps a moving
+  average; the drafted widths' averages are made non-decreasing in T (weighted isotonic
+  regression, each weighted by its sample count and halved every ``STALE_HALF_LIFE`` rounds since
+  it was last measured), and ``V(T)`` interpolates between them linearly in distinct experts
+  (``distinct_experts``: T tokens of top-k routing over E experts), the quantity a memory-bound
+  verification's cost follows, so a cost that jumps once a round's experts stop fitting the cache
+  is followed, not averaged away. Beyond the measured widths, the line ``a + b * distinct(T)``
+  fitted through them (weighted least squares, ``a, b >= 0``) extends the nearest one. A width
+  measured again after a long gap moves its average towards the new sample by ``1 - 0.5 ** (gap
+  / STALE_HALF_LIFE)`` at least, by half at least when the sample is more than ``TIME_SURPRISE``
+  off the average. A plain round (T = 1: no draft to hide transfers behind) keeps its own
   average. Before any drafted width is measured, widths scale from T = 1 by distinct experts;
   with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being
   estimated as ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set).
-  k = 0 is plain decoding for that round. Now and then it tries a neighbour of its choice (k = 1
-  when speculation is off) so that estimates stay fresh and it notices when conditions change:
+  k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 1
+  when speculation is off, and every third time the k whose width was measured least recently)
+  so that estimates stay fresh, widths far from its choice are measured rather than
+  extrapolated, and it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
   most 8 x ``probe_every``), back to ``probe_every`` when the choice changes, and two rounds
   after a probe whose first draft token was accepted (or rejected) against the odds or a round
-  whose time was more than ``TIME_SURPRISE`` off its prediction. The first
+  whose time was more than ``TIME_SURPRISE`` off its prediction (such a probe also moves the
+  acceptance averages by ``SURPRISE_STEP`` instead of ``ACCEPTANCE_EMA``; such a round ages every
+  other width's average by four half-lives, so its next sample replaces most of it, and tries
+  both neighbours of its k in the next rounds). The first
   rounds visit k0, 0, 1 and 2 to calibrate.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored.
@@ -39,6 +47,7 @@ Switching speculation off (k = 0 chosen, not probed) or back on is logged once p
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 
 from specter.decode.governor import Governor
@@ -47,6 +56,7 @@ log = logging.getLogger("specter.governor")
 ACCEPTANCE_EMA = 0.1  # per observed draft position
 MIN_POSITION_SAMPLES = 20
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
+SURPRISE_STEP = 0.3  # the acceptance averages' step on such a probe (instead of ACCEPTANCE_EMA)
 TIME_SURPRISE = 0.35  # a round this far (relative) from its predicted time makes the governor look around
 STALE_HALF_LIFE = 24  # rounds: a width's verify average loses half its weight in the fit per this many
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
@@ -73,6 +83,18 @@ def fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
             return mean_y, 0.0
     through_origin = sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)
     return 0.0, through_origin
+
+
+def monotone(points: list[tuple[float, float]]) -> list[float]:
+    """Weighted isotonic regression (pool adjacent violators): the non-decreasing sequence
+    closest to the (value, weight) points in weighted least squares, one value per point."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for value, weight in points:
+        blocks.append([value, max(weight, 1e-9), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1, n1), (m2, w2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return [mean for mean, _, count in blocks for _ in range(int(count))]
 
 
 class Ema:
@@ -133,20 +155,30 @@ class RooflineGovernor(Governor):
 
     def verify_s(self, width: int) -> float | None:
         """Predicted flush + verify seconds of a width-T pass. A plain round (T = 1, nothing
-        drafted, so no transfer hidden behind a draft) is its own moving average. Speculative
-        widths follow ``a + b * distinct(T)``, the line through their per-width averages, each
-        weighted by its sample count (capped), so that one lucky or unlucky width cannot make the
-        roofline jagged."""
+        drafted, so no transfer hidden behind a draft) is its own moving average. Drafted widths
+        interpolate, in distinct experts, between the per-width averages made monotone in T
+        (``monotone``: one lucky or unlucky width cannot make the roofline jagged), so a cost that
+        jumps when a round stops fitting the cache is followed; beyond the measured widths the
+        line ``a + b * distinct(T)`` fitted through them extends the nearest one."""
         u = lambda t: distinct_experts(t, self.n_experts, self.top_k)  # noqa: E731
         seen = {t: e.value for t, e in self.verify.items() if e.value is not None}
         if width == 1 and 1 in seen:
             return seen[1]
-        drafted = [(u(t), v, min(self.verify_count[t], MIN_POSITION_SAMPLES)
-                    * 0.5 ** ((self.rounds - self.verify_round[t]) / STALE_HALF_LIFE))
-                   for t, v in seen.items() if t > 1]
+        drafted = sorted((t, v, min(self.verify_count[t], MIN_POSITION_SAMPLES)
+                          * 0.5 ** ((self.rounds - self.verify_round[t]) / STALE_HALF_LIFE))
+                         for t, v in seen.items() if t > 1)
         if drafted:
-            intercept, slope = fit_line(drafted)
-            return intercept + slope * u(width)
+            widths = [t for t, _, _ in drafted]
+            values = monotone([(v, w) for _, v, w in drafted])
+            if widths[0] <= width <= widths[-1]:
+                i = next(i for i, t in enumerate(widths) if t >= width)
+                if widths[i] == width:
+                    return values[i]
+                lo, hi = u(widths[i - 1]), u(widths[i])
+                return values[i - 1] + (values[i] - values[i - 1]) * (u(width) - lo) / (hi - lo)
+            _, slope = fit_line([(u(t), v, w) for t, v, w in drafted])
+            edge = 0 if width < widths[0] else -1
+            return max(0.0, values[edge] + slope * (u(width) - u(widths[edge])))
         if seen:
             return seen[1] * u(width) / u(1)
         if self.draft_step.value is None:
@@ -197,8 +229,7 @@ class RooflineGovernor(Governor):
                 self._next_probe = self.rounds + self._interval
                 self._interval = min(self._interval * 2, MAX_PROBE_BACKOFF * self.probe_every)
                 self._probes += 1
-                k = 1 if k == 0 else k + (1 if self._probes % 2 else -1)
-                k = max(0, min(self.k_max, k))
+                k = self._probe_k(k)
                 probe = True
             elif best is not None:
                 self._announce(best)
@@ -206,6 +237,19 @@ class RooflineGovernor(Governor):
         self.predicted_round_s = self.round_s(k)
         self.history.append({"k": k, "probe": probe, "predicted_round_s": self.predicted_round_s, "measured_round_s": None})
         return k
+
+    def _probe_k(self, k: int) -> int:
+        """The k to try instead of ``k``: its neighbours above and below (k = 1 when speculation
+        is off), and every third probe the k whose width was measured least recently (never
+        measured first, the nearest to ``k`` among equals), so that widths far from the current
+        choice are measured now and then rather than extrapolated."""
+        turn = self._probes % 3
+        if turn == 0:
+            others = [c for c in range(self.k_max + 1) if c != k]
+            return min(others, key=lambda c: (self.verify_round.get(c + 1, -math.inf), abs(c - k))) if others else k
+        if k == 0:
+            return 1
+        return max(0, min(self.k_max, k + (1 if turn == 1 else -1)))
 
     def _announce(self, k: int) -> None:
         speculating = k > 0
@@ -218,15 +262,18 @@ class RooflineGovernor(Governor):
 
     def observe(self, drafted: int, accepted: int, **timings: float) -> None:
         self.rounds += 1
+        surprised = False
         if self.history and self.history[-1]["probe"] and drafted and not self._calibration:
             expected = self.position_acceptance(1)
             if abs(min(accepted, 1) - expected) > SURPRISE:  # the draft behaves unlike its estimate
                 self._interval, self._next_probe = self.probe_every, self.rounds + 2
+                surprised = True
         for j in range(1, min(drafted, self.k_max) + 1):
             self.observed[j] += 1
             outcome = 1.0 if j <= accepted else 0.0
-            self.acceptance[j].update(outcome)
-            self.pooled.update(outcome)
+            step = SURPRISE_STEP if surprised else None  # a defied estimate moves faster
+            self.acceptance[j].update(outcome, step)
+            self.pooled.update(outcome, step)
             if not outcome:
                 break
         steps = int(timings.get("draft_steps", 0) or 0)
@@ -235,9 +282,11 @@ class RooflineGovernor(Governor):
         if "verify_s" in timings:
             width = drafted + 1
             age = self.rounds - self.verify_round.get(width, self.rounds)
-            staleness = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
-            self.verify.setdefault(width, Ema(self.weight)).update(timings["verify_s"] + timings.get("flush_s", 0.0),
-                                                                   staleness)
+            step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
+            average, sample = self.verify.setdefault(width, Ema(self.weight)), timings["verify_s"] + timings.get("flush_s", 0.0)
+            if average.value and abs(sample - average.value) > TIME_SURPRISE * average.value:
+                step = max(step, 0.5)  # conditions changed (a rarely measured width must not lag far behind)
+            average.update(sample, step)
             self.verify_count[width] = self.verify_count.get(width, 0) + 1
             self.verify_round[width] = self.rounds
         if "host_s" in timings:
@@ -247,8 +296,15 @@ class RooflineGovernor(Governor):
             entry["measured_round_s"] = timings["round_s"]
             predicted = entry["predicted_round_s"]
             if predicted and not entry["probe"] and abs(timings["round_s"] - predicted) > TIME_SURPRISE * predicted:
-                # the machine or the link changed under the estimates: look around again soon
+                # the machine or the link changed under the estimates: look around again soon, and
+                # let the first new sample of every other width replace most of its average
                 self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
+                for width in self.verify_round:
+                    if width != drafted + 1:
+                        self.verify_round[width] = min(self.verify_round[width], self.rounds - 4 * STALE_HALF_LIFE)
+                if not self._calibration:  # re-measure both neighbours in the next rounds
+                    neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
+                    self._calibration = [c for c in neighbours if c != drafted]
             if entry["k"] != drafted:  # the engine shortened the round (end of generation)
                 entry["probe"] = True
 

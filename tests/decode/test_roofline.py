@@ -158,3 +158,32 @@ def test_verify_cost_is_a_line_in_distinct_experts_so_one_lucky_width_cannot_mak
     predicted = [governor.verify_s(t) for t in range(2, 10)]
     assert predicted == sorted(predicted)  # monotone in width
     assert governor.verify_s(6) > 0.07
+
+
+class StreamingMachine(Machine):
+    """Verification beyond five tokens no longer fits the cache and pays a streaming cost, so
+    the verify cost jumps instead of following the line through distinct experts."""
+
+    def round(self, k: int) -> tuple[int, dict]:
+        accepted, timings = super().round(k)
+        if k + 1 > 5:
+            timings["verify_s"] += 0.02 * (k - 4)
+            timings["round_s"] += 0.02 * (k - 4)
+        return accepted, timings
+
+
+def test_far_probes_find_a_better_k_that_neighbour_probes_would_not_reach():
+    machine = StreamingMachine(0.95, 0.0, per_expert=1e-3, draft=1e-3)
+    governor = RooflineGovernor(k=8)
+    for width in (7, 8, 9):  # a history that only knows the wide rounds, as after a long run at k = 8
+        for _ in range(20):
+            accepted, timings = machine.round(width - 1)
+            governor.observe(drafted=width - 1, accepted=accepted, **timings)
+    governor._calibration.clear()
+    log: list = []
+    chosen = drive(governor, machine, 200, log)
+    assert set(chosen[:60]) - {0, 1, 8}, "never measured a width far from its choices"
+    best = machine.best_k()
+    assert best <= 4 and settled(chosen) <= 5
+    rate = sum(t for t, _ in log[100:]) / sum(s for _, s in log[100:])
+    assert rate >= 0.95 * fixed_rate(StreamingMachine(0.95, 0.0, per_expert=1e-3, draft=1e-3), best)
