@@ -56,7 +56,7 @@ def grouped_experts(
     up = torch._grouped_mm(gate_up, tokens.T, offs=padded_ends.to(torch.int32))  # [2I, columns]
     hidden = apply_gate(up.T[column])  # [pairs, I], real columns only, in sorted order
     out = torch._grouped_mm(hidden, down.transpose(1, 2), offs=real_ends.to(torch.int32))  # [pairs, H]
-    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    out = out * weights.reshape(-1)[order].unsqueeze(-1)  # promotes as transformers does (fp32 weights)
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
