@@ -17,24 +17,25 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   is followed, not averaged away. Beyond the measured widths, the line ``a + b * distinct(T)``
   fitted through them (weighted least squares, ``a, b >= 0``) extends the nearest one. A width
   measured again after a long gap moves its average towards the new sample by ``1 - 0.5 ** (gap
-  / STALE_HALF_LIFE)`` at least, by half at least when the sample is more than ``TIME_SURPRISE``
-  off the average. A plain round (T = 1: no draft to hide transfers behind) keeps its own
+  / STALE_HALF_LIFE)`` at least, by half at least when the sample is more than ``CHANGE_FACTOR``
+  times off the average (conditions changed: noise on a slow link is not). A plain round (T = 1: no draft to hide transfers behind) keeps its own
   average. Before any drafted width is measured, widths scale from T = 1 by distinct experts;
   with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being
   estimated as ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set).
   k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 1
-  when speculation is off, and every third time the k whose width was measured least recently)
+  when speculation is off, and every third time the k whose width was measured least recently
+  among those predicted within ``FAR_PROBE_RANGE`` of the best rate)
   so that estimates stay fresh, widths far from its choice are measured rather than
   extrapolated, and it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
   most 8 x ``probe_every``), back to ``probe_every`` when the choice changes, and two rounds
   after a probe whose first draft token was accepted (or rejected) against the odds or a round
   whose time was more than ``TIME_SURPRISE`` off its prediction (such a probe also moves the
-  acceptance averages by ``SURPRISE_STEP`` instead of ``ACCEPTANCE_EMA``; such a round ages every
-  other width's average by four half-lives, so its next sample replaces most of it, and tries
-  both neighbours of its k in the next rounds). The first
+  acceptance averages by ``SURPRISE_STEP`` instead of ``ACCEPTANCE_EMA``; a round more than
+  ``CHANGE_FACTOR`` times off ages every other width's average by four half-lives, so its next
+  sample replaces most of it, and tries both neighbours of its k in the next rounds). The first
   rounds visit k0, 0, 1 and 2 to calibrate.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored.
@@ -58,6 +59,8 @@ MIN_POSITION_SAMPLES = 20
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
 SURPRISE_STEP = 0.3  # the acceptance averages' step on such a probe (instead of ACCEPTANCE_EMA)
 TIME_SURPRISE = 0.35  # a round this far (relative) from its predicted time makes the governor look around
+FAR_PROBE_RANGE = 0.6  # far probes only try a k predicted within this fraction of the best rate
+CHANGE_FACTOR = 2.0  # a time off by this factor (either way) means conditions changed, not noise
 STALE_HALF_LIFE = 24  # rounds: a width's verify average loses half its weight in the fit per this many
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
 
@@ -83,6 +86,11 @@ def fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
             return mean_y, 0.0
     through_origin = sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)
     return 0.0, through_origin
+
+
+def changed(sample: float, reference: float) -> bool:
+    """Whether ``sample`` is more than ``CHANGE_FACTOR`` times off ``reference``, either way."""
+    return sample > CHANGE_FACTOR * reference or sample * CHANGE_FACTOR < reference
 
 
 def monotone(points: list[tuple[float, float]]) -> list[float]:
@@ -241,11 +249,15 @@ class RooflineGovernor(Governor):
     def _probe_k(self, k: int) -> int:
         """The k to try instead of ``k``: its neighbours above and below (k = 1 when speculation
         is off), and every third probe the k whose width was measured least recently (never
-        measured first, the nearest to ``k`` among equals), so that widths far from the current
+        measured first, the nearest to ``k`` among equals) among those predicted within
+        ``FAR_PROBE_RANGE`` of the best rate, so that widths far from the current
         choice are measured now and then rather than extrapolated."""
         turn = self._probes % 3
         if turn == 0:
-            others = [c for c in range(self.k_max + 1) if c != k]
+            rates = [row["predicted_tokens_per_s"] for row in self.table()]
+            best = max((r for r in rates if r is not None), default=None)
+            others = [c for c in range(self.k_max + 1) if c != k
+                      and (best is None or rates[c] is None or rates[c] >= FAR_PROBE_RANGE * best)]
             return min(others, key=lambda c: (self.verify_round.get(c + 1, -math.inf), abs(c - k))) if others else k
         if k == 0:
             return 1
@@ -284,7 +296,7 @@ class RooflineGovernor(Governor):
             age = self.rounds - self.verify_round.get(width, self.rounds)
             step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
             average, sample = self.verify.setdefault(width, Ema(self.weight)), timings["verify_s"] + timings.get("flush_s", 0.0)
-            if average.value and abs(sample - average.value) > TIME_SURPRISE * average.value:
+            if average.value and changed(sample, average.value):
                 step = max(step, 0.5)  # conditions changed (a rarely measured width must not lag far behind)
             average.update(sample, step)
             self.verify_count[width] = self.verify_count.get(width, 0) + 1
@@ -296,9 +308,11 @@ class RooflineGovernor(Governor):
             entry["measured_round_s"] = timings["round_s"]
             predicted = entry["predicted_round_s"]
             if predicted and not entry["probe"] and abs(timings["round_s"] - predicted) > TIME_SURPRISE * predicted:
-                # the machine or the link changed under the estimates: look around again soon, and
-                # let the first new sample of every other width replace most of its average
+                # the estimates are off: look around again soon
                 self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
+            if predicted and not entry["probe"] and changed(timings["round_s"], predicted):
+                # the machine or the link changed under the estimates: the first new sample of
+                # every other width replaces most of its average, and both neighbours are tried
                 for width in self.verify_round:
                     if width != drafted + 1:
                         self.verify_round[width] = min(self.verify_round[width], self.rounds - 4 * STALE_HALF_LIFE)
