@@ -22,12 +22,17 @@ def test_a_plain_run_recipe_is_one_cell_with_the_default_engines():
 
 
 def test_the_bench_recipes_load_with_two_budgets_two_links_and_both_compile_modes():
+    engines = {"resident", "ondemand", SAME_MEMORY, "router-lookahead", "specter"}
     for path in ("recipes/bench-proxy.yaml", "recipes/bench-bundled.yaml"):
         spec = load_bench(path)
         assert len(spec.budgets) == 2 and len(spec.links) == 2 and spec.compile == (False, True)
-        assert {"resident", "ondemand", SAME_MEMORY, "router-lookahead", "specter", "hf-offload"} <= set(spec.engines)
-        gbps = sorted(link["gbps"] for link in spec.links.values())
-        assert gbps[1] == pytest.approx(10 * gbps[0])
+        assert engines <= set(spec.engines)
+    bundled = load_bench("recipes/bench-bundled.yaml")
+    assert "hf-offload" in bundled.engines
+    gbps = sorted(link["gbps"] for link in bundled.links.values())
+    assert gbps[1] == pytest.approx(10 * gbps[0])  # two emulated links, one 10x faster
+    proxy = load_bench("recipes/bench-proxy.yaml")  # a plain local link and a slow emulated one
+    assert sorted(link["kind"] for link in proxy.links.values()) == ["auto", "local"]
 
 
 def test_cell_recipes_carry_the_cells_budget_link_and_mode():
