@@ -307,20 +307,23 @@ class RooflineGovernor(Governor):
             entry = self.history[-1]
             entry["measured_round_s"] = timings["round_s"]
             predicted = entry["predicted_round_s"]
-            if predicted and not entry["probe"] and abs(timings["round_s"] - predicted) > TIME_SURPRISE * predicted:
-                # the estimates are off: look around again soon
-                self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
-            if predicted and not entry["probe"] and changed(timings["round_s"], predicted):
-                # the machine or the link changed under the estimates: the first new sample of
-                # every other width replaces most of its average, and both neighbours are tried
-                for width in self.verify_round:
-                    if width != drafted + 1:
-                        self.verify_round[width] = min(self.verify_round[width], self.rounds - 4 * STALE_HALF_LIFE)
-                if not self._calibration:  # re-measure both neighbours in the next rounds
-                    neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
-                    self._calibration = [c for c in neighbours if c != drafted]
+            if predicted and not entry["probe"]:
+                self._follow_up_surprise(timings["round_s"], predicted, drafted)
             if entry["k"] != drafted:  # the engine shortened the round (end of generation)
                 entry["probe"] = True
+
+    def _follow_up_surprise(self, measured: float, predicted: float, drafted: int) -> None:
+        if abs(measured - predicted) > TIME_SURPRISE * predicted:  # the estimates are off: look around soon
+            self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
+        if changed(measured, predicted):
+            # the machine or the link changed under the estimates: the first new sample of every
+            # other width replaces most of its average, and both neighbours are tried next
+            for width in self.verify_round:
+                if width != drafted + 1:
+                    self.verify_round[width] = min(self.verify_round[width], self.rounds - 4 * STALE_HALF_LIFE)
+            if not self._calibration:
+                neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
+                self._calibration = [c for c in neighbours if c != drafted]
 
     def new_report(self) -> None:
         self._report_from = len(self.history)

@@ -56,6 +56,9 @@ def _specter_experts_forward(
 def _grouped_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
+    """The ``specter-grouped`` implementation, and the slot math of every cache step (``self`` a
+    ``SlotView`` there): Specter's grouped kernel on a CPU for the layouts it covers, else
+    transformers' own grouped-GEMM math."""
     if hidden_states.device.type != "cpu" or not supports(self):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return grouped_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
@@ -114,7 +117,6 @@ class ExpertRuntime:
         self.mode = "target"
         self.observers: list[RoutingObserver] = []
         self._views = {m.layer: SlotView(m.experts, cache.slots) for m in layers} if cache is not None else {}
-        self._grouped = {m.layer: supports(m.experts) for m in layers}
 
     @contextlib.contextmanager
     def drafting(self) -> Iterator[None]:
@@ -168,10 +170,7 @@ class ExpertRuntime:
                                 {name: buffer.index_select(0, slot_ids) for name, buffer in self.cache.slots.items()})
                 slot_ids = torch.arange(len(slots), dtype=lookup.dtype, device=lookup.device)
             lookup[torch.tensor(experts, device=lookup.device)] = slot_ids
-            if self._grouped[layer] and hidden.device.type == "cpu":
-                return grouped_experts(hidden, lookup[top_k_index], top_k_weights, view.gate_up_proj,
-                                       view.down_proj, view._apply_gate)
-            return grouped_mm_experts_forward(view, hidden, lookup[top_k_index], top_k_weights)
+            return _grouped_experts_forward(view, hidden, lookup[top_k_index], top_k_weights)
         finally:
             self.cache.release(layer, experts)
 
