@@ -1,35 +1,20 @@
-"""The recipe schema: defaults, every validation rule, overrides, budgets, and a fuzzer showing
-that any input gives either a Recipe or a one-line SpecterError that starts with a key path."""
+"""The recipe schema: defaults, every validation rule, overrides and plugin names; budgets are in
+test_budget.py, the fuzzer in test_recipe_fuzz.py."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
-from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from specter.bundled import BUNDLED_MODELS
 from specter.errors import RecipeError, SpecterError, UnknownPluginError
 from specter.hookspecs import hookimpl
-from specter.plugins import register_plugin, registry, reset_plugins
+from specter.plugins import register_plugin, registry
 from specter.config import ExpertBudget, Recipe, describe, load_recipe, recipe_keys
 from specter.config.recipe import DEFAULT_PROMPTS
-from specter.config.schema import display_key
-
-TOP_KEYS = [key.split(".")[0] for key in recipe_keys()]
-
-
-@pytest.fixture(autouse=True)
-def clean_plugins(monkeypatch):
-    monkeypatch.delenv("SPECTER_PLUGINS", raising=False)
-    reset_plugins()
-    yield
-    reset_plugins()
 
 
 def error_of(source, overrides=(), **kwargs) -> str:
@@ -372,85 +357,6 @@ def test_auto_link_is_left_to_the_engine():
     assert load_recipe(raw).offload.link.kind == "auto"
 
 
-# ----------------------------------------------------------------------------- budget
-
-
-@pytest.mark.parametrize(
-    "value, budget",
-    [
-        (0.5, ExpertBudget("fraction", 0.5)),
-        (1, ExpertBudget("fraction", 1.0)),
-        ({"per_layer": 8}, ExpertBudget("per_layer", 8)),
-        ({"experts": 40}, ExpertBudget("experts", 40)),
-        ("2GiB", ExpertBudget("bytes", 2 * 2**30)),
-        ("512MiB", ExpertBudget("bytes", 512 * 2**20)),
-        ("1.5GB", ExpertBudget("bytes", 1_500_000_000)),
-        ("1000000", ExpertBudget("bytes", 1_000_000)),
-        ("4 kb", ExpertBudget("bytes", 4000)),
-        ("10B", ExpertBudget("bytes", 10)),
-    ],
-)
-def test_budget_parsing(value, budget):
-    assert ExpertBudget.parse(value) == budget
-    assert ExpertBudget.parse(budget.to_recipe_value()) == budget
-
-
-@pytest.mark.parametrize(
-    "value",
-    [0, -1, -0.5, 1.5, 5, True, None, "", "2XB", "-1GiB", "0GiB", "0.5B", "1.5", "GiB", {"per_layer": 0},
-     {"experts": -3}, {"per_layer": 2.5}, {"per_layer": 1, "experts": 1}, {"slots": 4}, [0.5]],
-)
-def test_bad_budgets_are_recipe_errors(value):
-    message = error_of({"offload": {"expert_budget": value}})
-    assert message.startswith("offload.expert_budget: ")
-    assert "allowed: a fraction in (0, 1]" in message
-
-
-@pytest.mark.parametrize(
-    "budget, expected",
-    [
-        (ExpertBudget("fraction", 0.5), 16),  # 4 layers x 8 experts = 32
-        (ExpertBudget("fraction", 0.3), 9),  # floor(9.6)
-        (ExpertBudget("fraction", 1.0), 32),
-        (ExpertBudget("fraction", 0.01), 0),  # too small: the caller decides
-        (ExpertBudget("per_layer", 3), 12),
-        (ExpertBudget("per_layer", 100), 32),  # capped at all experts
-        (ExpertBudget("experts", 5), 5),
-        (ExpertBudget("bytes", 1000), 3),  # floor(1000 / 300)
-        (ExpertBudget("bytes", 299), 0),
-        (ExpertBudget("bytes", 10**9), 32),
-    ],
-)
-def test_budget_resolve(budget, expected):
-    assert budget.resolve(n_layers=4, n_experts=8, expert_bytes=300) == expected
-
-
-def test_budget_resolve_fraction_rounding_tolerance():
-    assert ExpertBudget("fraction", 0.3).resolve(1, 10, 1) == 3
-    assert ExpertBudget("fraction", 0.29).resolve(1, 100, 1) == 29
-
-
-def test_budget_resolve_rejects_bad_model_sizes():
-    with pytest.raises(ValueError):
-        ExpertBudget("bytes", 10).resolve(2, 4, 0)
-    with pytest.raises(ValueError):
-        ExpertBudget("fraction", 0.5).resolve(-1, 4, 10)
-
-
-def test_budget_constructed_directly_is_validated():
-    with pytest.raises(RecipeError, match=r"^offload\.expert_budget: "):
-        ExpertBudget("bytes", 0)
-    with pytest.raises(RecipeError, match=r"^offload\.expert_budget: unknown budget kind"):
-        ExpertBudget("slots", 4)
-
-
-def test_sections_built_in_python_are_validated():
-    recipe = Recipe(engine="ondemand", offload={"expert_budget": 0.25, "link": {"gbps": 1}})
-    assert recipe.offload.link.gbps == 1.0 and recipe.offload.expert_budget.value == 0.25
-    with pytest.raises(RecipeError, match=r"^offload\.link\.gbps: invalid value"):
-        Recipe(offload={"link": {"gbps": -1}})
-
-
 # ----------------------------------------------------------------------------- describe
 
 
@@ -475,131 +381,3 @@ def test_schema_keeps_the_published_key_names():
     assert recipe_keys() == published
 
 
-# ----------------------------------------------------------------------------- fuzzing
-
-SCALARS = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(10**30), max_value=10**30),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12),
-    st.sampled_from(["2GiB", "0.5", "1.5GB", "-3MiB", "yes", "bundled:tiny-moe", "bundled:", "cuda:1",
-                     "specter", "ondemand", "lru", "fixed", "none", "emulated", "auto", ".", "/", "~"]),
-)
-VALUES = st.recursive(
-    SCALARS,
-    lambda children: st.lists(children, max_size=3)
-    | st.dictionaries(st.one_of(st.text(max_size=8), st.sampled_from(["per_layer", "experts", "name", "k"])),
-                      children, max_size=3),
-    max_leaves=6,
-)
-SCHEMA_NAMES = sorted({part for key in recipe_keys() for part in key.split(".")})
-KEYS = st.one_of(st.sampled_from(SCHEMA_NAMES), st.text(max_size=10), st.integers(), st.none(), st.booleans())
-RANDOM_TREES = st.recursive(
-    VALUES,
-    lambda children: st.dictionaries(KEYS, children, max_size=4),
-    max_leaves=12,
-)
-VALID = {
-    "engine": "ondemand",
-    "prompts": ["a", "b"],
-    "offload": {"expert_budget": 0.25, "link": {"kind": "emulated", "gbps": 1.0}, "cache_policy": {"name": "lru"}},
-    "speculation": {"governor": {"name": "fixed", "k": 4}},
-}
-BUDGET_STRINGS = st.from_regex(r"\A[ -]?[0-9]{0,4}(\.[0-9]{0,3})?[ ]?([kKmMgGtT]?i?[bB])?\Z")
-MUTANT_VALUES = st.one_of(
-    VALUES,
-    BUDGET_STRINGS,
-    st.integers(min_value=-5, max_value=40),
-    st.floats(min_value=-2, max_value=2),
-)
-FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def candidate_starts(raw: object, overrides: list) -> tuple[str, ...]:
-    names = set(TOP_KEYS) | {"recipe"}
-    if isinstance(raw, dict):
-        names |= {display_key(key) for key in raw}
-    for item in overrides:
-        names.add(display_key(item))
-        if isinstance(item, str) and "=" in item:
-            dotted = item.split("=", 1)[0].strip()
-            names |= {display_key(dotted), display_key(dotted.split(".")[0])}
-    return tuple(f"{name}: " for name in names) + tuple(f"{name}." for name in names)
-
-
-def check_outcome(raw: object, overrides: list = ()) -> None:
-    overrides = list(overrides)
-    try:
-        recipe = load_recipe(raw, overrides)
-    except SpecterError as error:
-        message = str(error)
-        assert len(message.splitlines()) == 1
-        assert message.startswith(candidate_starts(raw, overrides)), message
-        return
-    assert isinstance(recipe, Recipe)
-    assert load_recipe(recipe.to_dict(), check_plugins=False) == recipe
-
-
-@FUZZ
-@given(RANDOM_TREES)
-def test_fuzz_random_trees(raw):
-    check_outcome(raw)
-
-
-def set_path(tree: dict, dotted: str, value: object) -> None:
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        child = tree.get(part)
-        tree[part] = child = dict(child) if isinstance(child, dict) else {}
-        tree = child
-    tree[leaf] = value
-
-
-@FUZZ
-@given(st.lists(st.tuples(st.sampled_from(recipe_keys()), MUTANT_VALUES), min_size=1, max_size=3))
-def test_fuzz_mutations_of_a_valid_recipe(mutations):
-    raw = copy.deepcopy(VALID)
-    for key, value in mutations:
-        set_path(raw, key, value)
-    check_outcome(raw)
-
-
-@FUZZ
-@given(
-    st.lists(
-        st.one_of(
-            st.builds(lambda key, text: f"{key}={text}", st.sampled_from(recipe_keys()), st.text(max_size=12)),
-            st.builds(lambda key, text: f"{key}={text}", st.sampled_from(recipe_keys()), BUDGET_STRINGS),
-            st.text(max_size=16),
-        ),
-        min_size=1,
-        max_size=3,
-    )
-)
-def test_fuzz_overrides(overrides):
-    check_outcome(copy.deepcopy(VALID), overrides)
-
-
-@pytest.fixture(scope="module")
-def fuzz_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("fuzz")
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(st.text(max_size=80), RANDOM_TREES.map(lambda tree: yaml.safe_dump(tree, allow_unicode=True))))
-def test_fuzz_yaml_text(fuzz_dir, text):
-    path = fuzz_dir / "fuzz.yaml"
-    path.write_text(text, encoding="utf-8")
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raw = None
-    try:
-        recipe = load_recipe(path)
-    except SpecterError as error:
-        message = str(error)
-        assert len(message.splitlines()) == 1
-        assert message.startswith(candidate_starts(raw, [])), message
-        return
-    assert isinstance(recipe, Recipe)
