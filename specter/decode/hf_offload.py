@@ -4,8 +4,11 @@ user would, decoded by Specter's shared loop so its figures sit beside the other
 Contract: ``build_hf_offload(recipe, path, tokenizer, device, dtype)`` returns an
 ``HFOffloadEngine`` (see its docstring for the placement on CUDA and on CPU); its report carries
 ``expert_budget`` (what was asked), ``device_bytes`` (what accelerate kept in memory) and
-``offload`` (tier, bytes and modules offloaded, the offload folder). ``close()`` removes the
-offload folder.
+``offload`` (tier, bytes and modules offloaded, the offload folder, the page-cache mode). On the
+disk tier its ``link`` entry and ``transfer_wait_s`` say what accelerate read and how long decoding
+waited for it (``specter.decode.hf_offload_io``); with ``offload.experts_on: disk`` and
+``offload.direct_io`` (the setting every engine of a disk-tier recipe runs in) the offloaded files'
+pages are dropped after each read. ``close()`` removes the offload folder.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import weakref
 import torch
 
 from specter.decode.engine import Engine, tensor_bytes
+from specter.decode.hf_offload_io import OffloadReads
 from specter.memory.budget import budget_slots
 from specter.errors import SpecterError
 from specter.model.loader import check_weights_format
@@ -45,6 +49,11 @@ class HFOffloadEngine(Engine):
       (attention, norms, ``lm_head`` included) on disk and keeps far less than the budget in memory
       (a 4-layer tiny Mixtral at 25%: only the embeddings stay in memory).
 
+    On the disk tier, accelerate's loads are timed and their storage reads counted
+    (``OffloadReads``); a recipe whose experts live on disk with ``direct_io`` (page cache
+    bypassed for Specter's own reads) has accelerate's files dropped from the page cache after
+    each forward too, so both read from the disk, as on a machine whose RAM cannot hold them.
+
     Decoding goes through the base ``Engine`` loop (the model's own forward with a DynamicCache),
     so greedy tokens equal the resident engine's. ``close()`` deletes the offload folder (so the
     engine cannot generate afterwards); it is also deleted at interpreter exit.
@@ -60,20 +69,41 @@ class HFOffloadEngine(Engine):
         self.offload_folder = folder
         self._remove_folder = weakref.finalize(self, _remove_folder, folder) if folder else None
         self.placement = offload_placement(model, tier)
+        drop_pages = recipe.offload.experts_on == "disk" and recipe.offload.direct_io
+        offloaded = tier == "disk" and self.placement["modules_offloaded"] > 0
+        self.reads = OffloadReads.install(model, drop_pages) if offloaded else None
+        self._prefill_wait_s = 0.0
+
+    def reset_counters(self) -> None:
+        self._prefill_wait_s = 0.0
+        if self.reads is not None:
+            self.reads.reset()
+
+    def prefill(self, prompt_ids, kv, generator, metrics) -> int:
+        before = self.reads.wait_s if self.reads is not None else 0.0
+        token = super().prefill(prompt_ids, kv, generator, metrics)
+        if self.reads is not None:
+            self._prefill_wait_s += self.reads.wait_s - before
+        return token
 
     def engine_report(self) -> dict:
         placed = self.placement
-        return {
+        disk = {} if self.reads is None else {
+            "link": self.reads.describe(), "transfer_wait_s": self.reads.wait_s - self._prefill_wait_s}
+        return {**disk,
             "expert_budget": dict(self.expert_budget),
             "device_bytes": {"draft": None, "cache": placed["expert_bytes_kept"], "dense": placed["dense_bytes_kept"],
                              "total": placed["expert_bytes_kept"] + placed["dense_bytes_kept"]},
             "offload": {"backend": "accelerate", "tier": self.offload_tier,
                         "offloaded_bytes": placed["offloaded_bytes"],
                         "modules_offloaded": placed["modules_offloaded"],
-                        "folder": self.offload_folder},
+                        "folder": self.offload_folder,
+                        "page_cache": None if self.reads is None else self.reads.mode},
         }
 
     def close(self) -> None:
+        if self.reads is not None:
+            self.reads.close()
         if self._remove_folder is not None:
             self._remove_folder()
 

@@ -34,9 +34,20 @@ def checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
-def recipe(path: str, engine: str, budget=0.25) -> dict:
+def recipe(path: str, engine: str, budget=0.25, **offload) -> dict:
     return {"model": path, "engine": engine, "device": "cpu", "max_new_tokens": MAX_NEW, "threads": 1,
-            "offload": {"expert_budget": budget}}
+            "offload": {"expert_budget": budget, **offload}}
+
+
+def on_tmpfs(path: str) -> bool:
+    """Whether ``path`` lives in memory (tmpfs keeps no separate page cache to drop)."""
+    real, best, fs_type = os.path.realpath(path), "", ""
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            mount_point, kind = line.split()[1:3]
+            if (real == mount_point or real.startswith(mount_point.rstrip("/") + "/")) and len(mount_point) > len(best):
+                best, fs_type = mount_point, kind
+    return fs_type in ("tmpfs", "ramfs")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +99,36 @@ def test_disk_offload_matches_resident_and_keeps_to_the_budget(checkpoint, resid
     engine.close()  # idempotent
 
 
+def test_page_cache_mode_follows_the_disk_tier_recipe(checkpoint, resident):
+    """With the experts on disk and direct_io (a disk-tier recipe), accelerate's offloaded files are
+    dropped from the page cache after each read, so every forward reads them from storage again;
+    otherwise the page cache serves them. Either way the wait and the bytes are reported."""
+    forwards = sum(MAX_NEW for _ in PROMPTS)  # one prefill and MAX_NEW - 1 decode steps per prompt
+    reports = {}
+    for drop in (True, False):
+        engine = specter.load(recipe(checkpoint, "hf-offload", 0.25, experts_on="disk" if drop else "host",
+                                     link={"kind": "disk" if drop else "auto"}))
+        try:
+            folder = engine.offload_folder
+            result = engine.generate(PROMPTS)
+        finally:
+            engine.close()
+        assert result.token_ids == resident["token_ids"]
+        reports[drop] = result.report
+    dropped, cached = reports[True], reports[False]
+    assert dropped["offload"]["page_cache"] == dropped["link"]["io"] == "memory-mapped, pages dropped after each read"
+    assert cached["offload"]["page_cache"] == cached["link"]["io"] == "memory-mapped, page cache allowed"
+    for report in (dropped, cached):
+        assert report["link"]["kind"] == "accelerate-disk-offload"
+        assert 0 < report["transfer_wait_s"] <= report["link"]["busy_s"]
+        assert 0 < report["io_wait_share"] <= 1
+    if os.path.exists("/proc/self/io") and not on_tmpfs(folder):
+        per_forward = dropped["offload"]["offloaded_bytes"]
+        assert dropped["link"]["bytes_read"] >= 0.9 * per_forward * forwards
+        assert dropped["link"]["read_gbps"] > 0
+        assert cached["link"]["bytes_read"] < 0.5 * per_forward * forwards
+
+
 def test_full_budget_offloads_nothing(checkpoint, resident):
     engine = specter.load(recipe(checkpoint, "hf-offload", 1.0))
     result = engine.generate(PROMPTS)
@@ -95,7 +136,7 @@ def test_full_budget_offloads_nothing(checkpoint, resident):
     assert result.token_ids == resident["token_ids"]
     offload = result.report["offload"]
     assert offload == {"backend": "accelerate", "tier": "disk", "offloaded_bytes": 0, "modules_offloaded": 0,
-                       "folder": None}
+                       "folder": None, "page_cache": None}
     assert result.report["device_bytes"] == resident["report"]["device_bytes"]
 
 

@@ -1,0 +1,121 @@
+"""What accelerate's disk offload reads, and how long the model waits for it (the ``hf-offload``
+engine's disk figures), with the page cache allowed or dropped after each read.
+
+Contract: ``OffloadReads.install(model, drop_pages)`` wraps the accelerate hook of every module
+whose weights come from disk (``AlignDevicesHook`` with ``offload=True``): the time spent in the
+hook's ``pre_forward`` (mapping the offloaded files, copying them into tensors) is the model's
+I/O wait, and the bytes the process read from storage meanwhile (``/proc/self/io`` ``read_bytes``,
+Linux) are the bytes the disk delivered. With ``drop_pages`` every file the module's weights live
+in gets ``POSIX_FADV_DONTNEED`` after its forward, so the next forward reads them from the disk
+again, as on a machine whose RAM cannot hold the offloaded weights (the comparison the disk tier is
+for); without it the page cache keeps them (what a memory-mapped file gets on a machine with RAM
+to spare). ``describe()`` gives the report's ``link`` entry (``kind``, ``io``, ``bytes_read``,
+``busy_s``, ``read_gbps``); ``wait_s`` is the I/O wait since ``reset()``. Accelerate releases its
+memory maps after each load, so nothing keeps the dropped pages mapped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from torch import nn
+
+_PROC_IO = Path("/proc/self/io")
+
+
+def storage_bytes_read() -> int | None:
+    """Bytes this process has caused to be read from storage (None where the kernel does not say)."""
+    try:
+        for line in _PROC_IO.read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _offloaded_files(hook) -> list[Path]:
+    """The files an accelerate offload hook reads its module's weights from."""
+    weights = getattr(hook, "weights_map", None)
+    loader = getattr(weights, "dataset", None)
+    index, folder = getattr(loader, "index", None), getattr(loader, "save_folder", None)
+    prefix = getattr(weights, "prefix", "")
+    if not isinstance(index, dict):
+        return []
+    files = set()
+    for key, info in index.items():
+        if not key.startswith(prefix):
+            continue
+        if info.get("safetensors_file"):
+            files.add(Path(info["safetensors_file"]))
+        elif folder is not None:
+            files.add(Path(folder) / f"{key}.dat")
+    return sorted(files)
+
+
+class OffloadReads:
+    """Counts accelerate's disk reads and wait, and drops the read pages when asked."""
+
+    def __init__(self, drop_pages: bool) -> None:
+        self.drop_pages = drop_pages and hasattr(os, "posix_fadvise")
+        self.wait_s = 0.0
+        self._bytes_read = 0
+        self._counted = storage_bytes_read() is not None
+        self._fds: dict[Path, int] = {}
+
+    @classmethod
+    def install(cls, model: nn.Module, drop_pages: bool) -> "OffloadReads":
+        reads = cls(drop_pages)
+        for module in model.modules():
+            hook = getattr(module, "_hf_hook", None)
+            if hook is not None and getattr(hook, "offload", False):
+                reads._wrap(hook, _offloaded_files(hook))
+        return reads
+
+    def _wrap(self, hook, files: list[Path]) -> None:
+        pre_forward, post_forward = hook.pre_forward, hook.post_forward
+        fds = [self._open(path) for path in files] if self.drop_pages else []
+
+        def timed_pre_forward(module, *args, **kwargs):
+            before, started = storage_bytes_read(), time.perf_counter()
+            try:
+                return pre_forward(module, *args, **kwargs)
+            finally:
+                self.wait_s += time.perf_counter() - started
+                after = storage_bytes_read()
+                if before is not None and after is not None:
+                    self._bytes_read += after - before
+
+        def dropping_post_forward(module, output):
+            output = post_forward(module, output)
+            for fd in fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return output
+
+        hook.pre_forward = timed_pre_forward
+        hook.post_forward = dropping_post_forward
+
+    def _open(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    @property
+    def mode(self) -> str:
+        return ("memory-mapped, pages dropped after each read" if self.drop_pages
+                else "memory-mapped, page cache allowed")
+
+    def reset(self) -> None:
+        self.wait_s, self._bytes_read = 0.0, 0
+
+    def describe(self) -> dict[str, object]:
+        bytes_read = self._bytes_read if self._counted else None
+        return {"kind": "accelerate-disk-offload", "io": self.mode, "bytes_read": bytes_read, "busy_s": self.wait_s,
+                "read_gbps": bytes_read / self.wait_s / 1e9 if bytes_read and self.wait_s else None}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
