@@ -1,17 +1,20 @@
 """What accelerate's disk offload reads, and how long the model waits for it (the ``hf-offload``
 engine's disk figures), with the page cache allowed or dropped after each read.
 
-Contract: ``OffloadReads.install(model, drop_pages)`` wraps the accelerate hook of every module
-whose weights come from disk (``AlignDevicesHook`` with ``offload=True``): the time spent in the
-hook's ``pre_forward`` (mapping the offloaded files, copying them into tensors) is the model's
-I/O wait, and the bytes the process read from storage meanwhile (``/proc/self/io`` ``read_bytes``,
-Linux) are the bytes the disk delivered. With ``drop_pages`` every file the module's weights live
-in gets ``POSIX_FADV_DONTNEED`` after its forward, so the next forward reads them from the disk
-again, as on a machine whose RAM cannot hold the offloaded weights (the comparison the disk tier is
-for); without it the page cache keeps them (what a memory-mapped file gets on a machine with RAM
-to spare). ``describe()`` gives the report's ``link`` entry (``kind``, ``io``, ``bytes_read``,
-``busy_s``, ``read_gbps``); ``wait_s`` is the I/O wait since ``reset()``. Accelerate releases its
-memory maps after each load, so nothing keeps the dropped pages mapped.
+Contract: ``OffloadReads.install(model, drop_pages)`` watches every module whose weights come
+from disk (accelerate's ``AlignDevicesHook`` with ``offload=True``) with forward hooks around
+accelerate's own: the weights are memory-mapped, and most of the reading happens as page faults
+while the module computes, so the disk time cannot be told apart from the module's compute. The
+time spent in those modules (load, page faults, their compute) is reported as the I/O wait, an
+upper bound, and the bytes the process read from storage meanwhile (``/proc/self/io``
+``read_bytes``, Linux) as the bytes the disk delivered, so ``read_gbps`` is a lower bound of the
+disk's rate. With ``drop_pages`` every file the module's weights live in gets
+``POSIX_FADV_DONTNEED`` after its forward, so the next forward reads them from the disk again, as
+on a machine whose RAM cannot hold the offloaded weights (the comparison the disk tier is for);
+without it the page cache keeps them (what a memory-mapped file gets on a machine with RAM to
+spare). ``describe()`` gives the report's ``link`` entry (``kind``, ``io``, ``bytes_read``,
+``busy_s``, ``read_gbps``); ``wait_s`` is that time since ``reset()``. Accelerate releases its
+weights after each forward, so nothing keeps the dropped pages mapped.
 """
 
 from __future__ import annotations
@@ -71,31 +74,27 @@ class OffloadReads:
         for module in model.modules():
             hook = getattr(module, "_hf_hook", None)
             if hook is not None and getattr(hook, "offload", False):
-                reads._wrap(hook, _offloaded_files(hook))
+                reads._watch(module, _offloaded_files(hook))
         return reads
 
-    def _wrap(self, hook, files: list[Path]) -> None:
-        pre_forward, post_forward = hook.pre_forward, hook.post_forward
+    def _watch(self, module: nn.Module, files: list[Path]) -> None:
         fds = [self._open(path) for path in files] if self.drop_pages else []
+        started: list[tuple[float, int | None]] = []
 
-        def timed_pre_forward(module, *args, **kwargs):
-            before, started = storage_bytes_read(), time.perf_counter()
-            try:
-                return pre_forward(module, *args, **kwargs)
-            finally:
-                self.wait_s += time.perf_counter() - started
-                after = storage_bytes_read()
-                if before is not None and after is not None:
-                    self._bytes_read += after - before
+        def before(_module, _args):
+            started.append((time.perf_counter(), storage_bytes_read()))
 
-        def dropping_post_forward(module, output):
-            output = post_forward(module, output)
+        def after(_module, _args, _output):
+            began, bytes_before = started.pop()
+            self.wait_s += time.perf_counter() - began
+            bytes_after = storage_bytes_read()
+            if bytes_before is not None and bytes_after is not None:
+                self._bytes_read += bytes_after - bytes_before
             for fd in fds:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            return output
 
-        hook.pre_forward = timed_pre_forward
-        hook.post_forward = dropping_post_forward
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
 
     def _open(self, path: Path) -> int:
         if path not in self._fds:

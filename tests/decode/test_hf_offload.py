@@ -120,13 +120,14 @@ def test_page_cache_mode_follows_the_disk_tier_recipe(checkpoint, resident):
     assert cached["offload"]["page_cache"] == cached["link"]["io"] == "memory-mapped, page cache allowed"
     for report in (dropped, cached):
         assert report["link"]["kind"] == "accelerate-disk-offload"
-        assert 0 < report["transfer_wait_s"] <= report["link"]["busy_s"]
+        assert 0 < report["transfer_wait_s"] <= report["link"]["busy_s"]  # decode only <= the whole run
         assert 0 < report["io_wait_share"] <= 1
     if os.path.exists("/proc/self/io") and not on_tmpfs(folder):
-        per_forward = dropped["offload"]["offloaded_bytes"]
-        assert dropped["link"]["bytes_read"] >= 0.9 * per_forward * forwards
+        # every forward reads at least its top-2 experts of each offloaded layer from storage again
+        top2_per_forward = dropped["offload"]["offloaded_bytes"] * 2 // N_EXPERTS
+        assert dropped["link"]["bytes_read"] >= 0.9 * top2_per_forward * forwards
         assert dropped["link"]["read_gbps"] > 0
-        assert cached["link"]["bytes_read"] < 0.5 * per_forward * forwards
+        assert cached["link"]["bytes_read"] < 0.1 * dropped["link"]["bytes_read"]
 
 
 def test_full_budget_offloads_nothing(checkpoint, resident):
