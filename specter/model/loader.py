@@ -9,7 +9,9 @@ Contract:
   safetensors files; nothing is held twice), its routed-expert tensors are moved into an
   ``ExpertStore`` (pinned when the device is CUDA) and replaced in the model by empty
   placeholders, and only then is the rest (dense weights) moved to the device: the experts never
-  all reach the device.
+  all reach the device. With ``experts_on_disk`` as well, the routed experts are never loaded
+  (``specter.model.disk_load``): they are read from the checkpoint's safetensors by the disk tier,
+  so a model whose experts do not fit in RAM loads in the memory of its dense weights.
 - ``split_experts(model, pin)`` does the expert split on an already loaded model (``specter.offload``).
 """
 
@@ -70,7 +72,8 @@ def _leave_placeholders(info: MoELayer) -> None:
     """Replace the layer's stacked expert parameters by empty ones of the same per-expert shape."""
     for name in info.param_names:
         param = getattr(info.experts, name)
-        placeholder = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
+        device = "cpu" if param.device.type == "meta" else param.device
+        placeholder = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype, device=device)
         setattr(info.experts, name, nn.Parameter(placeholder, requires_grad=False))
 
 
@@ -84,17 +87,22 @@ def split_experts(model: nn.Module, pin: bool) -> tuple[list[MoELayer], ExpertSt
     return layers, ExpertStore(host, pin=pin)
 
 
-def experts_to_disk(model: nn.Module, path: Path, direct_io: bool):
-    """Serve ``model``'s routed experts from its checkpoint on disk (``specter.memory.disk``):
-    the mapping is checked against the loaded tensors, then the experts are dropped from memory."""
+def experts_to_disk(model: nn.Module, path: Path, direct_io: bool, trust_remote_code: bool = False):
+    """Serve ``model``'s routed experts (left on ``meta`` by ``load_without_experts``) from its
+    checkpoint on disk (``specter.memory.disk``): the mapping is checked against expert 0 of the
+    first MoE layer as transformers loads it, then empty placeholders take the experts' place."""
     from specter.memory.disk import CheckpointIndex, DiskExperts
     from specter.memory.disk_store import DiskStore
+    from specter.model.disk_load import reference_layer
 
     layers = moe_layers(model)
     dtype = getattr(layers[0].experts, layers[0].param_names[0]).dtype
     disk = DiskExperts(CheckpointIndex(path), layers, dtype, direct=direct_io)
+    first = layers[0]
+    reference = reference_layer(path, first.layer, dtype, trust_remote_code)
+    disk.check(first.layer, {name: getattr(reference, name).detach() for name in first.param_names})
+    del reference
     for info in layers:
-        disk.check(info.layer, {name: getattr(info.experts, name).detach() for name in info.param_names})
         _leave_placeholders(info)
     disk.reset_counters()
     return layers, DiskStore(disk, layers[0].num_experts)
@@ -117,15 +125,20 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     use_safetensors = check_weights_format(path, allow_pickle)
+    if keep_experts_on_host and experts_on_disk:
+        from specter.model.disk_load import load_without_experts
+
+        model = load_without_experts(path, dtype, trust_remote_code)
+        layers, store = experts_to_disk(model, path, direct_io, trust_remote_code)
+        model.to(device)
+        return model, layers, store
     with loading_quietly():
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, use_safetensors=use_safetensors, trust_remote_code=trust_remote_code,
         )
     model.eval()
     layers = store = None
-    if keep_experts_on_host and experts_on_disk:
-        layers, store = experts_to_disk(model, path, direct_io)
-    elif keep_experts_on_host:
+    if keep_experts_on_host:
         layers, store = split_experts(model, pin=pin_memory and device.type == "cuda")
     model.to(device)
     return model, layers, store

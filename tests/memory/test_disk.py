@@ -98,3 +98,41 @@ def test_a_short_read_while_decoding_names_the_file_and_tensor(sharded, monkeypa
 def test_the_disk_link_needs_the_disk_tier_and_a_cpu(sharded):
     with pytest.raises(SpecterError, match="offload.link.kind: the disk link reads experts from the checkpoint"):
         specter.load(recipe(sharded, experts_on="host", link={"kind": "disk"}))
+
+
+LOAD_PEAK_SCRIPT = """
+import json, resource, sys, torch
+import specter
+torch.set_num_threads(1)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+engine = specter.load(json.loads(sys.argv[1]))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tokens = engine.generate([[1, 17, 93, 4, 250, 31]]).token_ids
+print(json.dumps({"peak_growth_kib": after - before, "tokens": tokens}))
+"""
+
+
+def test_loading_for_the_disk_tier_never_holds_the_experts(tmp_path):
+    """A model whose experts (96 MiB in bf16) dwarf its dense weights loads for the disk tier with the
+    process's peak memory growing by far less than the experts: they are read from the checkpoint
+    on demand, never loaded whole (only the first MoE layer is loaded once to check the mapping)."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "wide"
+    # saved in bf16 and run in fp32: a load converts, so it cannot hand out views of the mapped file
+    random_model("mixtral", seed=5, layers=4, intermediate=4096).to(torch.bfloat16).save_pretrained(path)
+    checkpoint_bytes = sum(file.stat().st_size for file in path.glob("*.safetensors"))
+
+    def run(data: dict) -> dict:
+        done = subprocess.run([sys.executable, "-c", LOAD_PEAK_SCRIPT, json.dumps(data)], capture_output=True,
+                              text=True, timeout=300, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    base = {"model": str(path), "device": "cpu", "dtype": "float32", "max_new_tokens": 6, "threads": 1, "check_lossless": False}
+    disk = run({**base, "engine": "ondemand", "offload": {"expert_budget": {"experts": 2}, "experts_on": "disk"}})
+    resident = run({**base, "engine": "resident"})
+    assert disk["tokens"] == resident["tokens"]
+    assert resident["peak_growth_kib"] * 1024 > 1.5 * checkpoint_bytes  # the measure sees a whole load
+    assert disk["peak_growth_kib"] * 1024 < 0.5 * checkpoint_bytes

@@ -1,0 +1,99 @@
+"""Load a checkpoint for the disk tier without ever holding its routed experts in memory.
+
+Contract: ``load_without_experts(path, dtype, trust_remote_code)`` returns the model loaded by
+transformers from ``path`` with every weight in place except the routed experts' stacked
+tensors, which stay on the ``meta`` device (no bytes): while transformers loads, the experts
+modules' classes register no expert parameters, so the checkpoint's expert tensors are never
+materialised (transformers reads safetensors lazily and skips keys the model does not have). So
+a model whose experts do not fit in RAM loads in the memory of its dense weights.
+``reference_layer(path, layer, dtype, trust_remote_code)`` loads the model's first
+``layer + 1`` decoder layers only (the rest of the checkpoint is not read) and returns that
+layer's experts module, whose expert 0 the disk tier compares with its own reading of the
+checkpoint before serving it (``DiskExperts.check``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specter.model.layout import moe_layers
+from specter.quiet import loading_quietly
+
+
+@contextlib.contextmanager
+def _experts_left_out(classes: set[type]) -> Iterator[None]:
+    """While open, a new instance of ``classes`` keeps its stacked expert tensors as plain meta
+    attributes instead of parameters (transformers' weight init still finds them by name)."""
+    originals = {cls: cls.__init__ for cls in classes}
+
+    def leaving_out(init):
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            for name, param in list(self._parameters.items()):
+                if param is not None and param.dim() >= 2 and param.shape[0] == self.num_experts:
+                    del self._parameters[name]
+                    self.__dict__[name] = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        return __init__
+
+    for cls, init in originals.items():
+        cls.__init__ = leaving_out(init)
+    try:
+        yield
+    finally:
+        for cls, init in originals.items():
+            cls.__init__ = init
+
+
+def _restore_meta_parameters(model: nn.Module, classes: set[type]) -> None:
+    for module in model.modules():
+        if type(module) not in classes:
+            continue
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                del module.__dict__[name]
+                module.register_parameter(name, nn.Parameter(value, requires_grad=False))
+
+
+def load_without_experts(path: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):  # only to find the experts modules' classes: no bytes
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    classes = {type(info.experts) for info in moe_layers(skeleton)}
+    with loading_quietly(), _experts_left_out(classes), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
+    _restore_meta_parameters(model, classes)
+    return model.eval()
+
+
+def _first_layers(config, layers: int):
+    """``config`` cut to its first ``layers`` decoder layers (per-layer lists cut with it)."""
+    small = copy.deepcopy(config)
+    total = small.num_hidden_layers
+    for name, value in list(vars(small).items()):
+        if isinstance(value, list) and len(value) == total:
+            setattr(small, name, value[:layers])
+    small.num_hidden_layers = layers
+    return small
+
+
+def reference_layer(path: Path, layer: int, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with loading_quietly(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=_first_layers(config, layer + 1), dtype=dtype, use_safetensors=True,
+            trust_remote_code=trust_remote_code)
+    return next(info.experts for info in moe_layers(model) if info.layer == layer)
