@@ -251,7 +251,8 @@ def _hf_note(engine) -> str:
     offload = engine.engine_report().get("offload") or {}
     return (f"transformers + accelerate: experts modules beyond the budget offloaded to {offload.get('tier', '?')} "
             f"({offload.get('modules_offloaded', '?')} modules, {offload.get('offloaded_bytes') or 0:,} B), "
-            "whole layers at a time; eager only")
+            "whole layers at a time" + (f"; {offload['page_cache']}" if offload.get("page_cache") else "")
+            + "; eager only")
 
 
 def _make_link(spec: BenchSpec, engine, link: str):
