@@ -6,8 +6,9 @@ tensors, which stay on the ``meta`` device (no bytes): while transformers loads,
 modules' classes register no expert parameters, so the checkpoint's expert tensors are never
 materialised (transformers reads safetensors lazily and skips keys the model does not have). So
 a model whose experts do not fit in RAM loads in the memory of its dense weights.
-``reference_layer(path, layer, dtype, trust_remote_code)`` loads the model's first
-``layer + 1`` decoder layers only (the rest of the checkpoint is not read) and returns that
+``reference_layer(path, layer, trust_remote_code)`` loads the model's first ``layer + 1``
+decoder layers only, in the checkpoint's own dtype (the rest of the checkpoint is not read; a
+stacked layout stays memory-mapped, so only the pages compared are read) and returns that
 layer's experts module, whose expert 0 the disk tier compares with its own reading of the
 checkpoint before serving it (``DiskExperts.check``).
 """
@@ -25,6 +26,22 @@ from torch import nn
 
 from specter.model.layout import moe_layers
 from specter.quiet import loading_quietly
+
+
+@contextlib.contextmanager
+def _load_report_silenced() -> Iterator[None]:
+    """transformers' load report lists every key the model does not have as UNEXPECTED: here that
+    is the point (experts, or the layers after the reference layer), so it is not shown."""
+    from transformers.utils import logging as transformers_logging
+
+    level = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers_logging.set_verbosity(level)
 
 
 @contextlib.contextmanager
@@ -68,8 +85,7 @@ def load_without_experts(path: Path, dtype: torch.dtype, trust_remote_code: bool
     with torch.device("meta"):  # only to find the experts modules' classes: no bytes
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     classes = {type(info.experts) for info in moe_layers(skeleton)}
-    with loading_quietly(), _experts_left_out(classes), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with loading_quietly(), _load_report_silenced(), _experts_left_out(classes):
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
     _restore_meta_parameters(model, classes)
@@ -87,13 +103,12 @@ def _first_layers(config, layers: int):
     return small
 
 
-def reference_layer(path: Path, layer: int, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
+def reference_layer(path: Path, layer: int, trust_remote_code: bool = False) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with loading_quietly(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(
-            path, config=_first_layers(config, layer + 1), dtype=dtype, use_safetensors=True,
+    with loading_quietly(), _load_report_silenced():
+        model = AutoModelForCausalLM.from_pretrained(  # the checkpoint's own dtype: no conversion
+            path, config=_first_layers(config, layer + 1), dtype="auto", use_safetensors=True,
             trust_remote_code=trust_remote_code)
     return next(info.experts for info in moe_layers(model) if info.layer == layer)

@@ -99,7 +99,7 @@ def experts_to_disk(model: nn.Module, path: Path, direct_io: bool, trust_remote_
     dtype = getattr(layers[0].experts, layers[0].param_names[0]).dtype
     disk = DiskExperts(CheckpointIndex(path), layers, dtype, direct=direct_io)
     first = layers[0]
-    reference = reference_layer(path, first.layer, dtype, trust_remote_code)
+    reference = reference_layer(path, first.layer, trust_remote_code)
     disk.check(first.layer, {name: getattr(reference, name).detach() for name in first.param_names})
     del reference
     for info in layers:
