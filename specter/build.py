@@ -41,20 +41,40 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-def make_link(recipe, device: torch.device):
-    """The recipe's link plugin (``auto``: cuda on a CUDA device, else emulated), bound to ``device``."""
-    spec = recipe.offload.link
+def make_link(recipe, device: torch.device, store=None):
+    """The recipe's link plugin (``auto``: cuda on a CUDA device, else emulated; ``disk`` for the
+    disk tier), bound to ``device``. With ``offload.host_budget`` it is the host-to-device link of
+    a ``HostTierLink`` sized for ``store`` (which must then be given), which reads the disk."""
+    spec, offload = recipe.offload.link, recipe.offload
+    tiered = offload.host_budget is not None
     kind = spec.kind
     if kind == "auto":
-        kind = "disk" if recipe.offload.experts_on == "disk" else "cuda" if device.type == "cuda" else "emulated"
-    if (kind == "disk") != (recipe.offload.experts_on == "disk"):
+        on_disk = offload.experts_on == "disk" and not tiered
+        kind = "disk" if on_disk else "cuda" if device.type == "cuda" else "emulated"
+    if tiered and kind == "disk":
+        raise SpecterError("offload.link.kind: with offload.host_budget the host tier reads the disk and "
+                           "offload.link is the host-to-device link: use auto, cuda, emulated or local")
+    if not tiered and (kind == "disk") != (offload.experts_on == "disk"):
         raise SpecterError("offload.link.kind: the disk link reads experts from the checkpoint: use it with "
                            "offload.experts_on: disk (and only it)")
     if kind == "cuda" and device.type != "cuda":
         raise SpecterError(f"offload.link.kind: 'cuda' needs a CUDA device, but the device is {device}; use emulated or local")
     options = {"gbps": spec.gbps, "latency_us": spec.latency_us} if kind == "emulated" else {}
     options.update(spec.options)
-    return registry().create("link", kind, options, key="offload.link.kind", expect=Link, device=device)
+    link = registry().create("link", kind, options, key="offload.link.kind", expect=Link, device=device)
+    if not tiered:
+        return link
+    from specter.memory.host_tier import HostTierLink
+
+    capacity = budget_slots(offload.host_budget, len(store.layers), store.n_experts, store.expert_bytes, 1,
+                            key="offload.host_budget")
+    return HostTierLink(link, capacity, _cache_policy(recipe), pin=device.type == "cuda" and offload.pin_memory)
+
+
+def _cache_policy(recipe) -> CachePolicy:
+    policy = recipe.offload.cache_policy
+    return registry().create("cache_policy", policy.name, policy.options, key="offload.cache_policy.name",
+                             expect=CachePolicy)
 
 
 class OffloadedParts(NamedTuple):
@@ -110,10 +130,8 @@ class EngineParts:
                                           experts_on_disk=recipe.offload.experts_on == "disk",
                                           direct_io=recipe.offload.direct_io, **self._load_options())
         n_slots = slots_for_budget(recipe, store, max(m.top_k for m in layers))
-        link = make_link(recipe, self.device)
-        policy = registry().create("cache_policy", recipe.offload.cache_policy.name,
-                                   recipe.offload.cache_policy.options, key="offload.cache_policy.name",
-                                   expect=CachePolicy)
+        link = make_link(recipe, self.device, store)
+        policy = _cache_policy(recipe)
         verify = recipe.offload.verify_copies or os.environ.get("SPECTER_VERIFY_COPIES", "") not in ("", "0")
         cache = ExpertCache(store, n_slots, self.device, link, policy,
                             transfer_timeout_s=recipe.offload.transfer_timeout_s, verify_copies=verify)

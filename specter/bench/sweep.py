@@ -258,7 +258,7 @@ def _hf_note(engine) -> str:
 def _make_link(spec: BenchSpec, engine, link: str):
     from specter.build import make_link
 
-    return make_link(spec.cell_recipe(engine.name, None, link, False), engine.device)
+    return make_link(spec.cell_recipe(engine.name, None, link, False), engine.device, getattr(engine, "store", None))
 
 
 def run_bench(spec: BenchSpec, command: str = "", progress: bool | None = None) -> dict:

@@ -114,6 +114,15 @@ class OffloadConfig(_Section):
     experts_on: str = _field("where the full-precision experts live below the cache: host (memory) or disk "
                              "(read from the checkpoint's safetensors; device cpu, link disk)", "host",
                              **_one_of("host", "disk"))
+    host_budget: ExpertBudget | None = _field(
+        "experts_on: disk only: a tier of this many experts in host memory (pinned on CUDA) between the "
+        "disk and the device cache, filled as soon as the draft predicts an expert, ahead of the device "
+        "copies; offload.link is then the host-to-device link. null: no host tier (on a CPU the device "
+        "cache already is host memory)", None,
+        parse=lambda value, key: None if value is None else ExpertBudget.parse(value, key),
+        allowed="null or " + ExpertBudget.ALLOWED,
+        type_name="null | float | {per_layer: int} | {experts: int} | str",
+    )
     direct_io: bool = _field("disk tier: bypass the page cache (O_DIRECT, or dropping pages after each read) "
                              "for honest disk figures; false lets the page cache serve repeated reads", True)
     transfer_timeout_s: float = _field("deadline of every wait on an expert copy; a copy not done by then "
@@ -121,6 +130,11 @@ class OffloadConfig(_Section):
                                        check=lambda v: v > 0, allowed="a number of seconds > 0")
     verify_copies: bool = _field("checksum every expert copy on arrival against the host store and reload "
                                  "a wrong one (also on when the environment sets SPECTER_VERIFY_COPIES=1)", False)
+
+    def _check(self) -> None:
+        if self.host_budget is not None and self.experts_on != "disk":
+            raise _error("offload.host_budget", "a host tier sits between the disk and the device cache: set "
+                                                "offload.experts_on: disk, or leave host_budget null")
 
 
 @dataclass(frozen=True)

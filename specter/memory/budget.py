@@ -5,14 +5,15 @@ from __future__ import annotations
 from specter.errors import BudgetError
 
 
-def budget_slots(budget, n_layers: int, n_experts: int, expert_bytes: int, top_k: int) -> int:
+def budget_slots(budget, n_layers: int, n_experts: int, expert_bytes: int, top_k: int,
+                 key: str = "offload.expert_budget") -> int:
     """Experts an ``offload.expert_budget`` (a ``specter.config.ExpertBudget``) buys, at most all
     of them; ``BudgetError`` when that is fewer than one decode step needs of a layer at once."""
     total = n_layers * n_experts
     slots = min(total, budget.resolve(n_layers, n_experts, expert_bytes))
     if slots < top_k:
         raise BudgetError(
-            f"offload.expert_budget: {budget.describe()} gives {slots} expert slot(s) "
+            f"{key}: {budget.describe()} gives {slots} expert slot(s) "
             f"({expert_bytes:,} bytes each), but one decode step needs {top_k} experts of a layer at once; "
             f"use at least {top_k} experts ({top_k / total:.1%} of {total}, {top_k * expert_bytes:,} bytes)"
         )

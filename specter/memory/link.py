@@ -61,6 +61,10 @@ class Link(ABC):
     def release_slot(self, slot: int) -> None:
         """Compute has stopped reading ``slot``; links with asynchronous compute order on it."""
 
+    def stage(self, src: Tensors) -> None:
+        """``src`` is predicted to be needed soon: a link with a tier of its own below the device
+        (``specter.memory.host_tier``) may start bringing it closer, with no slot yet. Default: nothing."""
+
     def close(self) -> None:
         """Release the link's resources."""
 

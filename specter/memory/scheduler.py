@@ -16,6 +16,9 @@ Contract (the three phases of MoE-SpeQ), per speculation round:
    layer's own demand loads (its predictions that never got a slot: too late to prefetch). So
    the experts of layer L+1 stream into slots freed by layers before L while layer L computes,
    and a prefetch refused at flush is retried before its layer needs it.
+5. Two tiers: every prediction not in the cache is also handed to the link's ``stage`` the moment
+   it arrives, so a host tier below the device (``specter.memory.host_tier``) starts reading it
+   from the disk before a device slot is free for it.
 ``end_round(used)`` compares what was predicted with what the target used, counts the
 predictions never placed (``not_admitted``), then lifts the protection. Every predicted expert
 of a layer not yet verified is protected, so a prefetch never evicts an expert the rest of the
@@ -85,6 +88,7 @@ class PrefetchScheduler:
                     self.stats.cached_at_prediction += 1
                 else:
                     self._pending[key] = float(confidence)
+                    self.cache.link.stage(self.cache.store.expert(*key))  # a host tier reads it now
             self._predicted[key] = max(self._predicted.get(key, 0.0), float(confidence))
         if new_keys:
             self.cache.protect(new_keys)
