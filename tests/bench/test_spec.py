@@ -35,6 +35,15 @@ def test_the_bench_recipes_load_with_two_budgets_two_links_and_both_compile_mode
     assert sorted(link["kind"] for link in proxy.links.values()) == ["auto", "local"]
 
 
+def test_the_disk_bench_recipes_load_with_their_tiers():
+    disk = load_bench("recipes/bench-disk.yaml")
+    assert disk.recipe.offload.experts_on == "disk" and disk.recipe.offload.host_budget is None
+    assert "hf-offload" in disk.engines
+    tiers = load_bench("recipes/bench-tiers.yaml")
+    assert tiers.recipe.offload.experts_on == "disk" and tiers.recipe.offload.host_budget.value == 0.5
+    assert [link["kind"] for link in tiers.links.values()] == ["emulated"]
+
+
 def test_cell_recipes_carry_the_cells_budget_link_and_mode():
     spec = load_bench(bench(budgets=[0.25], links={"slow": {"kind": "emulated", "gbps": 0.5, "latency_us": 5}}))
     recipe = spec.cell_recipe("specter", 0.25, "slow", True, ["speculation.governor.k=2"])
