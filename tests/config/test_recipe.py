@@ -381,3 +381,14 @@ def test_schema_keeps_the_published_key_names():
     assert recipe_keys() == published
 
 
+
+
+@pytest.mark.parametrize("name", ["quickstart", "specter", "offload-ondemand", "disk-tier"])
+def test_every_run_recipe_in_the_repository_validates(name):
+    from pathlib import Path
+
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / f"{name}.yaml")
+    assert recipe.resolved_prompts()
+    if name == "disk-tier":
+        assert recipe.offload.experts_on == "disk" and recipe.offload.link.kind == "disk"
+        assert recipe.check_lossless is False  # the check would load the whole model
