@@ -112,7 +112,8 @@ class OffloadConfig(_Section):
     cache_policy: CachePolicyConfig = _field("device cache eviction policy", factory=CachePolicyConfig)
     pin_memory: bool = _field("pin host expert memory when the device is CUDA", True)
     experts_on: str = _field("where the full-precision experts live below the cache: host (memory) or disk "
-                             "(read from the checkpoint's safetensors; device cpu, link disk)", "host",
+                             "(read from the checkpoint's safetensors; device cpu with link disk, or any device with "
+                             "offload.host_budget)", "host",
                              **_one_of("host", "disk"))
     host_budget: ExpertBudget | None = _field(
         "experts_on: disk only: a tier of this many experts in host memory (pinned on CUDA) between the "

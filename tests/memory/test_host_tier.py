@@ -210,3 +210,21 @@ def test_host_budget_needs_the_disk_tier_and_a_host_to_device_link(tiny_mixtral)
         specter.load(recipe(tiny_mixtral, "ondemand", experts_on="host"))
     with pytest.raises(SpecterError, match="with offload.host_budget the host tier reads the disk"):
         specter.load(recipe(tiny_mixtral, "ondemand", link={"kind": "disk"}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["ondemand", "specter"])
+def test_three_tiers_on_cuda_equal_resident(tiny_mixtral, engine):
+    """Disk, a pinned host tier and the GPU cache behind the cuda link: greedy tokens as resident's."""
+    base = {"model": str(tiny_mixtral), "device": "cuda", "max_new_tokens": 10, "threads": 1}
+    reference = specter.load({**base, "engine": "resident"}).generate(PROMPTS).token_ids
+    data = recipe(tiny_mixtral, engine, link={"kind": "cuda"})
+    loaded = specter.load({**data, "device": "cuda"})
+    try:
+        result = loaded.generate(PROMPTS)
+        assert loaded.link.pin and all(buffer.is_pinned() for buffer in loaded.link._held.values()
+                                       for buffer in buffer.values())
+    finally:
+        loaded.close()
+    assert result.token_ids == reference
+    assert result.report["link"]["kind"] == "cuda" and result.report["link"]["host_tier"]["disk_reads"] > 0
