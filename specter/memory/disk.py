@@ -21,7 +21,8 @@ Contract:
   ``mode`` says which one is in effect. A short read or an I/O error raises ``SpecterError``
   naming the file and the tensor. Reads are thread-safe (no shared file offsets).
 - ``bytes_read`` counts what was read and ``busy_s`` the wall time during which at least one read
-  was in flight, so ``bytes_read / busy_s`` is the bandwidth the disk delivered.
+  was in flight, so ``bytes_read / busy_s`` is the bandwidth the disk delivered; ``figures()``
+  gives them (with ``mode``) as the links' report entries.
 """
 
 from __future__ import annotations
@@ -284,6 +285,11 @@ class DiskExperts:
         if self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
         return memoryview(buffer)[:got]
+
+    def figures(self) -> dict[str, object]:
+        """The report's disk entries: read mode, bytes read, seconds reading, GB/s while reading."""
+        return {"io": self.mode, "bytes_read": self.bytes_read, "busy_s": self.busy_s,
+                "read_gbps": self.bytes_read / self.busy_s / 1e9 if self.busy_s else None}
 
     def reset_counters(self) -> None:
         with self._lock:

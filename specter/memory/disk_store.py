@@ -152,7 +152,6 @@ class DiskLink(Link):
         described = super().describe()
         disk = next(iter(self._disks), None)
         if disk is not None:
-            described.update(io=disk.mode, bytes_read=disk.bytes_read, busy_s=disk.busy_s,
-                             read_gbps=disk.bytes_read / disk.busy_s / 1e9 if disk.busy_s else None)
+            described.update(disk.figures())
         described["workers"] = self.workers
         return described

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
 
 from specter.memory.disk_store import DiskSource, FutureTransfer
-from collections import Counter
-
 from specter.memory.link import Link, Tensors, Transfer
 from specter.policies.base import CachePolicy, ExpertKey
 
@@ -49,6 +48,8 @@ class HostTierStats:
 
 class HostTierLink(Link):
     """A host-memory expert tier in front of a device link (see the module docstring)."""
+
+    stages = True
 
     def __init__(self, device_link: Link, capacity: int, policy: CachePolicy, workers: int = 4,
                  pin: bool = False) -> None:
@@ -210,10 +211,8 @@ class HostTierLink(Link):
 
     def describe(self) -> dict[str, object]:
         described = self.device_link.describe()
-        disk = self._disk
-        if disk is not None:
-            described.update(io=disk.mode, bytes_read=disk.bytes_read, busy_s=disk.busy_s,
-                             read_gbps=disk.bytes_read / disk.busy_s / 1e9 if disk.busy_s else None)
+        if self._disk is not None:
+            described.update(self._disk.figures())
         with self._lock:
             held = len(self._held)
         described["host_tier"] = {"capacity": self.capacity, "held": held, **asdict(self.stats)}

@@ -61,9 +61,12 @@ class Link(ABC):
     def release_slot(self, slot: int) -> None:
         """Compute has stopped reading ``slot``; links with asynchronous compute order on it."""
 
+    stages: bool = False  # True when ``stage`` does something (the scheduler only then calls it)
+
     def stage(self, src: Tensors) -> None:
         """``src`` is predicted to be needed soon: a link with a tier of its own below the device
-        (``specter.memory.host_tier``) may start bringing it closer, with no slot yet. Default: nothing."""
+        (``specter.memory.host_tier``) may start bringing it closer, with no slot yet; such a link
+        sets ``stages``. Default: nothing."""
 
     def close(self) -> None:
         """Release the link's resources."""

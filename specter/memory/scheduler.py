@@ -88,7 +88,8 @@ class PrefetchScheduler:
                     self.stats.cached_at_prediction += 1
                 else:
                     self._pending[key] = float(confidence)
-                    self.cache.link.stage(self.cache.store.expert(*key))  # a host tier reads it now
+                    if self.cache.link.stages:  # a host tier starts reading it now
+                        self.cache.link.stage(self.cache.store.expert(*key))
             self._predicted[key] = max(self._predicted.get(key, 0.0), float(confidence))
         if new_keys:
             self.cache.protect(new_keys)

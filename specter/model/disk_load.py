@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specter.model.layout import moe_layers
+from specter.model.layout import expert_param_names, moe_layers
 from specter.quiet import loading_quietly
 
 
@@ -53,10 +53,9 @@ def _experts_left_out(classes: set[type]) -> Iterator[None]:
     def leaving_out(init):
         def __init__(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            for name, param in list(self._parameters.items()):
-                if param is not None and param.dim() >= 2 and param.shape[0] == self.num_experts:
-                    del self._parameters[name]
-                    self.__dict__[name] = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            for name in expert_param_names(self):
+                param = self._parameters.pop(name)
+                self.__dict__[name] = torch.empty(param.shape, dtype=param.dtype, device="meta")
         return __init__
 
     for cls, init in originals.items():
