@@ -23,7 +23,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being
   estimated as ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
-  (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set).
+  (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set);
+  the current choice is kept while no other k is predicted more than ``HOLD_MARGIN`` faster, so
+  noise on a flat roofline does not make it flap.
   k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 1
   when speculation is off, and every third time the k whose width was measured least recently
   among those predicted within ``FAR_PROBE_RANGE`` of the best rate)
@@ -63,6 +65,7 @@ FAR_PROBE_RANGE = 0.6  # far probes only try a k predicted within this fraction 
 CHANGE_FACTOR = 2.0  # a time off by this factor (either way) means conditions changed, not noise
 STALE_HALF_LIFE = 24  # rounds: a width's verify average loses half its weight in the fit per this many
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
+HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
 
 
 def distinct_experts(tokens: int, n_experts: int, top_k: int) -> float:
@@ -211,7 +214,8 @@ class RooflineGovernor(Governor):
 
     def best_k(self) -> int | None:
         best, best_rate = None, -1.0
-        for row in self.table():
+        rows = self.table()
+        for row in rows:
             rate = row["predicted_tokens_per_s"]
             if rate is None:
                 return None
@@ -219,6 +223,12 @@ class RooflineGovernor(Governor):
                 continue
             if rate > best_rate:
                 best, best_rate = row["k"], rate
+        held = self._last_best
+        if best is not None and held is not None and held != best:
+            rate = rows[held]["predicted_tokens_per_s"]
+            latency_ok = self.max_latency_ms is None or 1e3 / rate <= self.max_latency_ms
+            if latency_ok and rate * (1 + HOLD_MARGIN) >= best_rate:
+                return held
         return best
 
     # ----- the governor contract --------------------------------------------------------------

@@ -187,3 +187,15 @@ def test_far_probes_find_a_better_k_that_neighbour_probes_would_not_reach():
     assert best <= 4 and settled(chosen) <= 5
     rate = sum(t for t, _ in log[100:]) / sum(s for _, s in log[100:])
     assert rate >= 0.95 * fixed_rate(StreamingMachine(0.95, 0.0, per_expert=1e-3, draft=1e-3), best)
+
+
+def test_a_near_tie_keeps_the_current_choice_instead_of_flapping():
+    from specter.decode.roofline import HOLD_MARGIN
+
+    governor = RooflineGovernor(k=2)
+    governor._last_best = 2
+    rates = {2: 100.0, 3: 100.0 * (1 + HOLD_MARGIN / 2), 4: 90.0}
+    governor.table = lambda: [{"k": k, "predicted_tokens_per_s": rates.get(k, 50.0)} for k in range(9)]
+    assert governor.best_k() == 2  # k = 3 is faster, but within the hold margin
+    rates[3] = 100.0 * (1 + 2 * HOLD_MARGIN)
+    assert governor.best_k() == 3  # clearly faster: the choice moves
