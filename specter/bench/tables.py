@@ -156,7 +156,7 @@ PHASE_COLUMNS = (
     "verify tok/round", "distinct experts/layer", "verify ms/expert read", "single-step ms/expert read",
     "verify / single-step", "draft share", "verify share", "host share",
 )
-GOVERNOR_COLUMNS = ("label", "cell", "k histogram", "prediction error", "probes")
+GOVERNOR_COLUMNS = ("label", "cell", "k histogram", "prediction error", "probes", "rounds cut at prompt end")
 
 
 def _mul(value: float | None, factor: float) -> float | None:
@@ -231,7 +231,8 @@ def governor_section(bench: dict) -> list[str]:
         out.append((f"{row.get('label') or row.get('engine') or '?'} ({summary['name']})", _where(row),
                     " ".join(f"{k}:{n}" for k, n in sorted(histogram.items(), key=lambda kv: int(kv[0]))) or "-",
                     "-" if error is None else f"{error * 100:.1f}%",
-                    "-" if summary.get("probes") is None else summary["probes"]))
+                    "-" if summary.get("probes") is None else summary["probes"],
+                    "-" if summary.get("cut_rounds") is None else summary["cut_rounds"]))
         key = (row.get("budget"), row.get("link"), bool(row.get("compile")))
         if summary.get("table") and key not in tables:
             tables[key] = row

@@ -6,7 +6,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   that kept a of k drafts observes 1 at positions 1..a and 0 at position a+1. A position seen
   fewer than 20 times uses the average over all positions instead.
 - Round time: ``T(k) = host + steps(k) * t_draft + V(k + 1)``. ``t_draft`` is the moving average of
-  one draft step (``steps(k) = k + 1`` with the routing-only step, 0 for k = 0); ``V(T)`` is the
+  one draft step (``steps(k) = k + 1`` while the engine runs a routing-only step, ``k`` once its
+  ``draft_steps`` say it does not, 0 for k = 0); ``V(T)`` is the
   flush + verification time of a width-T pass, transfer waits included, so the link's bandwidth,
   the cache and streaming are all in it as they are on this machine. Each width keeps a moving
   average; the drafted widths' averages are made non-decreasing in T (weighted isotonic
@@ -135,10 +136,12 @@ class RooflineGovernor(Governor):
         self.observed = [0] * (k_max + 1)
         self.prior_acceptance = prior_acceptance
         self.draft_step = Ema(ema)
+        self.extra_steps = 1  # draft steps per round beyond k (the engine's routing-only step)
         self.host = Ema(ema)
         self.verify: dict[int, Ema] = {}  # width T -> flush + verify seconds
         self.verify_count: dict[int, int] = {}
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
+        self._changed_at = -1  # the round whose time showed that conditions changed
         self.rounds = 0
         self.last_k: int | None = None
         self.predicted_round_s: float | None = None
@@ -170,7 +173,10 @@ class RooflineGovernor(Governor):
         interpolate, in distinct experts, between the per-width averages made monotone in T
         (``monotone``: one lucky or unlucky width cannot make the roofline jagged), so a cost that
         jumps when a round stops fitting the cache is followed; beyond the measured widths the
-        line ``a + b * distinct(T)`` fitted through them extends the nearest one."""
+        line ``a + b * distinct(T)`` fitted through them extends the nearest one. Once a round
+        shows that conditions changed (``CHANGE_FACTOR``), the widths measured before stand on
+        the line through those measured since until they are measured again: an estimate made on
+        another link does not keep its k from being chosen or probed."""
         u = lambda t: distinct_experts(t, self.n_experts, self.top_k)  # noqa: E731
         seen = {t: e.value for t, e in self.verify.items() if e.value is not None}
         if width == 1 and 1 in seen:
@@ -180,6 +186,12 @@ class RooflineGovernor(Governor):
                          for t, v in seen.items() if t > 1)
         if drafted:
             widths = [t for t, _, _ in drafted]
+            since_change = [(u(t), v, w) for t, v, w in drafted if self.verify_round[t] >= self._changed_at]
+            if since_change and len(since_change) < len(drafted):
+                # widths measured before conditions changed follow the line through those measured since
+                a, b = fit_line(since_change)
+                drafted = [(t, v if self.verify_round[t] >= self._changed_at else a + b * u(t), w)
+                           for t, v, w in drafted]
             values = monotone([(v, w) for _, v, w in drafted])
             if widths[0] <= width <= widths[-1]:
                 i = next(i for i, t in enumerate(widths) if t >= width)
@@ -200,7 +212,7 @@ class RooflineGovernor(Governor):
         verify = self.verify_s(k + 1)
         if verify is None:
             return None
-        steps = k + 1 if k else 0
+        steps = k + self.extra_steps if k else 0
         return (self.host.value or 0.0) + steps * (self.draft_step.value or 0.0) + verify
 
     def table(self) -> list[dict]:
@@ -253,7 +265,8 @@ class RooflineGovernor(Governor):
                 self._announce(best)
         self.last_k = k
         self.predicted_round_s = self.round_s(k)
-        self.history.append({"k": k, "probe": probe, "predicted_round_s": self.predicted_round_s, "measured_round_s": None})
+        self.history.append({"k": k, "probe": probe, "cut": False, "predicted_round_s": self.predicted_round_s,
+                             "measured_round_s": None})
         return k
 
     def _probe_k(self, k: int) -> int:
@@ -268,7 +281,10 @@ class RooflineGovernor(Governor):
             best = max((r for r in rates if r is not None), default=None)
             others = [c for c in range(self.k_max + 1) if c != k
                       and (best is None or rates[c] is None or rates[c] >= FAR_PROBE_RANGE * best)]
-            return min(others, key=lambda c: (self.verify_round.get(c + 1, -math.inf), abs(c - k))) if others else k
+            # the plain round's own average cannot follow the line through the drafted widths: refreshed first once stale
+            plain_stale = self.rounds - self.verify_round.get(1, -math.inf) > STALE_HALF_LIFE
+            return min(others, key=lambda c: (not (c == 0 and plain_stale), self.verify_round.get(c + 1, -math.inf),
+                                              abs(c - k))) if others else k
         if k == 0:
             return 1
         return max(0, min(self.k_max, k + (1 if turn == 1 else -1)))
@@ -301,6 +317,8 @@ class RooflineGovernor(Governor):
         steps = int(timings.get("draft_steps", 0) or 0)
         if steps and "draft_s" in timings:
             self.draft_step.update(timings["draft_s"] / steps)
+            if drafted:
+                self.extra_steps = max(0, steps - drafted)
         if "verify_s" in timings:
             width = drafted + 1
             age = self.rounds - self.verify_round.get(width, self.rounds)
@@ -308,6 +326,8 @@ class RooflineGovernor(Governor):
             average, sample = self.verify.setdefault(width, Ema(self.weight)), timings["verify_s"] + timings.get("flush_s", 0.0)
             if average.value and changed(sample, average.value):
                 step = max(step, 0.5)  # conditions changed (a rarely measured width must not lag far behind)
+            if self.verify_round.get(width, self._changed_at) < self._changed_at:
+                step = 1.0  # its first sample since conditions changed: the old average is of other conditions
             average.update(sample, step)
             self.verify_count[width] = self.verify_count.get(width, 0) + 1
             self.verify_round[width] = self.rounds
@@ -317,15 +337,16 @@ class RooflineGovernor(Governor):
             entry = self.history[-1]
             entry["measured_round_s"] = timings["round_s"]
             predicted = entry["predicted_round_s"]
-            if predicted and not entry["probe"]:
-                self._follow_up_surprise(timings["round_s"], predicted, drafted)
             if entry["k"] != drafted:  # the engine shortened the round (end of generation)
-                entry["probe"] = True
+                entry["cut"] = True
+            elif predicted and not entry["probe"]:
+                self._follow_up_surprise(timings["round_s"], predicted, drafted)
 
     def _follow_up_surprise(self, measured: float, predicted: float, drafted: int) -> None:
         if abs(measured - predicted) > TIME_SURPRISE * predicted:  # the estimates are off: look around soon
             self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
         if changed(measured, predicted):
+            self._changed_at = self.rounds
             # the machine or the link changed under the estimates: the first new sample of every
             # other width replaces most of its average, and both neighbours are tried next
             for width in self.verify_round:
@@ -346,7 +367,8 @@ class RooflineGovernor(Governor):
         history = self.history[self._report_from:]
         for k in sorted({h["k"] for h in history}):
             pairs = [(h["predicted_round_s"], h["measured_round_s"]) for h in history
-                     if h["k"] == k and h["predicted_round_s"] and h["measured_round_s"] and not h["probe"]]
+                     if h["k"] == k and h["predicted_round_s"] and h["measured_round_s"]
+                     and not h["probe"] and not h["cut"]]
             if pairs:
                 predicted = statistics.median(p for p, _ in pairs)
                 measured = statistics.median(m for _, m in pairs)
@@ -355,4 +377,5 @@ class RooflineGovernor(Governor):
         main = max(per_k.values(), key=lambda row: row["rounds"], default=None)
         return {"name": self.name, "k_max": self.k_max, "table": self.table(),
                 "trace": [h["k"] for h in history], "probes": sum(h["probe"] for h in history),
+                "cut_rounds": sum(h["cut"] for h in history),
                 "prediction": per_k, "prediction_error": main["error"] if main else None}

@@ -147,7 +147,7 @@ def test_governor_section(bench):
     assert lines[1] == "| " + " | ".join(GOVERNOR_COLUMNS) + " |"
     rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines
             if line.startswith("| specter")]
-    assert rows[0] == ["specter roofline (roofline)", "25% / slow / eager", "0:1 1:1 2:2 3:6 4:2", "9.0%", "5"]
+    assert rows[0] == ["specter roofline (roofline)", "25% / slow / eager", "0:1 1:1 2:2 3:6 4:2", "9.0%", "5", "2"]
     assert len(rows) == 4 and {row[1] for row in rows} == {f"25% / {link} / {mode}" for link in ("slow", "fast")
                                                            for mode in ("eager", "compiled")}
     captions = [line for line in lines if line.startswith("Roofline table of")]
@@ -177,6 +177,7 @@ def test_extra_sections_tolerate_missing_fields(bench):
     roofline[1]["governor_summary"]["table"] = [{"k": 0}, {}, "junk"]
     roofline[1].pop("k_histogram")
     roofline[1]["governor_summary"].pop("prediction_error")
+    roofline[0]["governor_summary"]["probes"] = 1  # no cut_rounds: an older report
     for row in rows:
         row.pop("decode_step_s", None)
     text = markdown(bench)
@@ -185,7 +186,9 @@ def test_extra_sections_tolerate_missing_fields(bench):
     assert phase_rows[0][4:] == ["3"] + ["-"] * 11
     assert all(row[6] == "-" and row[11] == "-" for row in phase_rows)
     governor = _sections(text)["Governor"]
-    assert "| specter roofline (roofline) | 25% / fast / eager | - | - | 5 |" in governor
+    assert "| specter roofline (roofline) | 25% / fast / eager | - | - | 5 | 2 |" in governor
+    assert any(line.startswith("| specter roofline (roofline) | 25% / slow / eager |") and line.endswith("| 1 | - |")
+               for line in governor)
     assert "Roofline table of specter roofline (25% / fast / eager):" in governor
     assert "| 0 | - | - | - |" in governor and "| - | - | - | - |" in governor
 

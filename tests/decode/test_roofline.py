@@ -199,3 +199,43 @@ def test_a_near_tie_keeps_the_current_choice_instead_of_flapping():
     assert governor.best_k() == 2  # k = 3 is faster, but within the hold margin
     rates[3] = 100.0 * (1 + 2 * HOLD_MARGIN)
     assert governor.best_k() == 3  # clearly faster: the choice moves
+
+
+def test_round_time_counts_the_draft_steps_the_engine_reports():
+    governor = RooflineGovernor(k=4)
+    for _ in range(5):
+        governor.observe(drafted=4, accepted=4, draft_s=0.05, draft_steps=5, verify_s=0.1, host_s=0.0)
+    with_routing_step = governor.round_s(4)
+    assert with_routing_step == pytest.approx(5 * 0.01 + 0.1)
+    for _ in range(30):  # the engine now drafts without the routing-only step (a synchronous link)
+        governor.observe(drafted=4, accepted=4, draft_s=0.04, draft_steps=4, verify_s=0.1, host_s=0.0)
+    assert governor.round_s(4) == pytest.approx(4 * 0.01 + 0.1, rel=1e-3)
+
+
+def test_a_round_cut_short_at_the_end_of_a_prompt_is_neither_a_probe_nor_a_surprise():
+    governor = RooflineGovernor(k=4)
+    machine = Machine(0.9, 1e-3)
+    drive(governor, machine, 40)
+    while (k := governor.next_k()) == 0:
+        accepted, timings = machine.round(0)
+        governor.observe(drafted=0, accepted=accepted, **timings)
+    probes_before, next_probe = governor.summary()["probes"], governor._next_probe
+    accepted, timings = machine.round(0)  # the engine had one token left: nothing drafted, a short round
+    governor.observe(drafted=0, accepted=accepted, **timings)
+    summary = governor.summary()
+    assert summary["cut_rounds"] == 1 and summary["probes"] == probes_before
+    assert governor._next_probe == next_probe  # a short round's time is no reason to look around
+
+
+def test_estimates_made_on_a_slower_link_do_not_keep_wide_rounds_from_being_chosen_on_a_faster_one():
+    machine = Machine(0.95, 2e-2, draft=5e-4)
+    governor = RooflineGovernor(k=4)
+    assert settled(drive(governor, machine, 150)) == 8
+    machine.io = 1e-3  # ten times less I/O per expert: every width's old average is far too high
+    log: list = []
+    after = drive(governor, machine, 80, log)
+    fast = Machine(0.95, 1e-3, draft=5e-4)
+    best = fast.best_k()
+    assert best >= 6 and settled(after) >= 6
+    rate = sum(t for t, _ in log[20:]) / sum(s for _, s in log[20:])
+    assert rate >= 0.94 * fixed_rate(fast, best)
