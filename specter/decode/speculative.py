@@ -2,12 +2,15 @@
 
 Contract of one ``specter`` round (batch 1, one shared ``DynamicCache``):
 1. The governor picks k (k = 0: a plain decoding round, one target step with router-lookahead
-   prefetch, as the ``router-lookahead`` engine does). The draft — the same model with its routed experts switched to the
+   prefetch, as the ``router-lookahead`` engine does; without prefetch, as ``ondemand``, on a
+   link that does not overlap compute). The draft — the same model with its routed experts switched to the
    resident INT4 copies; attention, norms, routers, embeddings and KV cache are the target's own
    — runs k steps from the last emitted token, appending temporary KV entries. Its routing at
    every (position, layer) fills the scheduler's lookahead buffer and prefetches start at once.
    With ``lookahead_last`` one more draft step runs over the k-th drafted token for its routing
-   only, so every one of the k+1 verified positions has a prediction.
+   only, so every one of the k+1 verified positions has a prediction; it is skipped on a link
+   that does not overlap compute (``Link.overlaps_compute``, e.g. ``local``), where a prefetch
+   costs the same copy as a demand load and the step would be pure cost.
 2. The scheduler flushes every remaining predicted expert; the KV cache is cropped back to the
    round's start.
 3. The target runs once over the k+1 tokens (last emitted token + k drafts), experts from the
@@ -63,7 +66,8 @@ class PrefetchingEngine(OffloadedEngine):
         self.runtime.observers.append(self._advance)
         self.runtime.observers.append(self._observe_prediction)
         self.prediction_failure: str | None = None
-        self._used: set[tuple[int, int]] = set()
+        self._routing: list[tuple[int, torch.Tensor]] = []  # this round's target (layer, top_k_index)
+        self._expert_stride = max(m.num_experts for m in self.runtime.layers.values())
         self.runtime.observers.append(self._record_use)
 
     def _observe_prediction(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
@@ -93,14 +97,22 @@ class PrefetchingEngine(OffloadedEngine):
 
     def _record_use(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
         if mode == "target":
-            self._used.update((layer, e) for e in top_k_index.unique().tolist())
+            self._routing.append((layer, top_k_index))
+
+    def used_experts(self) -> set[tuple[int, int]]:
+        """The (layer, expert) pairs the target read this round, from the routing recorded per
+        layer on the device, with one device-to-host transfer for the whole round."""
+        if not self._routing:
+            return set()
+        keys = torch.cat([layer * self._expert_stride + index.reshape(-1) for layer, index in self._routing])
+        return {divmod(key, self._expert_stride) for key in keys.unique().tolist()}
 
     def begin_round(self) -> None:
-        self._used = set()
+        self._routing = []
         self.scheduler.begin_round()
 
-    def end_round(self) -> None:
-        self.scheduler.end_round(self._used)
+    def end_round(self, used: set[tuple[int, int]] | None = None) -> None:
+        self.scheduler.end_round(self.used_experts() if used is None else used)
 
     def reset_counters(self) -> None:
         super().reset_counters()
@@ -144,7 +156,9 @@ class SpecterEngine(PrefetchingEngine):
         self.runtime.observers.append(self._plain_observe)
 
     def _plain_observe(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
-        if self._plain_round:
+        # on a link that cannot overlap compute a prefetch is the same copy as a demand load, and a
+        # wrong one is a copy for nothing: a plain round there decodes as ondemand does
+        if self._plain_round and self.link.overlaps_compute:
             self.plain_predictor.observe(layer, hidden, top_k_index, top_k_weights, mode)
 
     @property
@@ -158,7 +172,7 @@ class SpecterEngine(PrefetchingEngine):
         device_bytes["draft"] = self.draft_bytes
         device_bytes["total"] += self.draft_bytes
         report["draft"] = {"bits": 4, "group_size": next(iter(self.draft.values())).group_size,
-                           "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.lookahead_last}
+                           "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.routing_step}
         report["governor"] = call_plugin("governor", self.governor, "summary")
         return report
 
@@ -168,7 +182,13 @@ class SpecterEngine(PrefetchingEngine):
 
     def _draft_steps(self, k: int) -> int:
         """Draft forward passes for k drafted tokens: k, plus the routing-only one (lookahead_last)."""
-        return k + (1 if self.lookahead_last and k else 0)
+        return k + (1 if self.routing_step and k else 0)
+
+    @property
+    def routing_step(self) -> bool:
+        """Whether rounds run the routing-only draft step: ``lookahead_last`` on a link whose
+        copies overlap compute."""
+        return self.lookahead_last and self.link.overlaps_compute
 
     def _draft_tokens(self, token: int, k: int, kv, generator, context: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """k drafted tokens and, when sampling, their draft probabilities [k, V]. A predictor with a
@@ -224,8 +244,9 @@ class SpecterEngine(PrefetchingEngine):
         target_logits = self.forward_logits(verify_ids, kv)  # [k+1, V]
         synchronize(self.device)
         verified_at = time.perf_counter()
-        experts_read = len(self._used)
-        self.end_round()
+        used = self.used_experts()
+        experts_read = len(used)
+        self.end_round(used)
         if self.sampling.greedy:
             result = greedy_verify(torch.tensor(drafted, dtype=torch.long, device=target_logits.device), target_logits)
         else:

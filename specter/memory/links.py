@@ -28,6 +28,7 @@ from specter.memory.link import (
 
 class LocalLink(Link):
     kind = "local"
+    overlaps_compute = False
 
     def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
         copy_all(dst, src)

@@ -142,6 +142,19 @@ def test_report_fields_of_a_specter_run(checkpoints):
     assert report["draft"]["bits"] == 4
 
 
+@pytest.mark.parametrize("link, routing_step", [({"kind": "local"}, False),
+                                                ({"kind": "emulated", "gbps": 50.0, "latency_us": 1}, True)])
+def test_the_routing_only_draft_step_runs_only_where_a_copy_can_hide_behind_it(link, routing_step, checkpoints, resident):
+    result = generate(checkpoints["mixtral"], "specter", k=3, offload={"link": link, "expert_budget": 0.25})
+    assert result.token_ids == resident["mixtral"]
+    report = result.report
+    histogram = {int(key): n for key, n in report["k"]["histogram"].items()}
+    drafted = sum(key * n for key, n in histogram.items())
+    drafting_rounds = sum(n for key, n in histogram.items() if key)
+    assert report["phases"]["draft_steps"] == drafted + (drafting_rounds if routing_step else 0)
+    assert report["draft"]["lookahead_last"] is routing_step
+
+
 def test_build_draft_covers_every_moe_layer_and_stays_resident(checkpoints):
     from specter.model.loader import load_model
 
