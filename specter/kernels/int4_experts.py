@@ -11,15 +11,16 @@ Contract:
 - ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` in hidden's
   dtype: transformers' expert math (``batched_mm_experts_forward``) with INT4 matmuls. Eagerly,
   tokens are grouped by expert (one matmul per expert hit, ``forward_grouped``); a single token
-  (a draft step) runs its k experts directly (``forward_one_token``). Under
-  torch.compile ``forward`` takes ``forward_static`` (no data-dependent Python, fixed shapes,
-  ``fullgraph=True`` works), which picks by shape: ``forward_gather`` (the chosen experts' packed
-  weights gathered by index, a copy each; one single-row matmul pair per (token, slot)) when
-  T*k <= E, else ``forward_masked`` (every expert over all T tokens, weighted by its routing
-  weight, 0 where not chosen). Measured on CPU, one thread, inductor: with T*k <= E gather was
-  1.1-5.6x faster than masked (tied for 3.5 MB experts at T*k = E); with T*k > E (8 experts,
-  top-2, T=8) masked was 1.05x (small experts) to 1.9x (3.5 MB experts) faster. Under
-  ``dynamic=True`` the gather graph specializes on T (one graph per T <= E/k).
+  (a draft step) runs its k experts directly, changing dtype once per layer
+  (``forward_one_token``). Under torch.compile ``forward`` takes ``forward_static`` (no
+  data-dependent Python, fixed shapes, ``fullgraph=True`` works), which picks by shape:
+  ``forward_gather`` (the chosen experts' packed weights gathered by index, a copy each; one
+  single-row matmul pair per (token, slot)) when T*k <= E, else ``forward_masked`` (every
+  expert over all T tokens, weighted by its routing weight, 0 where not chosen). Measured on
+  CPU, one thread, inductor: with T*k <= E gather was 1.1-5.6x faster than masked (tied for
+  3.5 MB experts at T*k = E); with T*k > E (8 experts, top-2, T=8) masked was 1.05x (small
+  experts) to 1.9x (3.5 MB experts) faster. Under ``dynamic=True`` the gather graph
+  specializes on T (one graph per T <= E/k).
 - ``nbytes``: bytes of the INT4 weights, scales and kept biases.
 - ``quantize_model_experts(model, group_size) -> {layer index: Int4Experts}`` for every experts
   module (3-D ``gate_up_proj`` or ``up_proj`` and ``num_experts``) under ``...layers.<i>...``.
@@ -124,16 +125,23 @@ class Int4Experts:
         return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(dtype)  # [T, H]
 
     def forward_one_token(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        """Eager path of a single token (every draft step): its k experts one after the other, no
-        sorting or scatter; the same arithmetic as ``forward_grouped``."""
-        out = None
-        for slot, expert in enumerate(top_k_index[0].tolist()):
-            y = self._expert(expert, hidden)  # [1, H]
-            if self.post_norm is not None:
-                y = self.post_norm(y)
-            weighted = y.float() * top_k_weights[0, slot].float()
-            out = weighted if out is None else out + weighted
-        return out.to(hidden.dtype)  # [1, H]
+        """Eager path of a single token (every draft step): no sorting or scatter, and the
+        activations change dtype once per layer rather than once per expert (the kernels' bf16
+        in and out; the activation function and the weighted sum in float32): each of the k
+        experts is one up and one down matmul, the rest runs once over all k rows."""
+        experts = top_k_index[0].tolist()
+        kernel_dtype = hidden.dtype if self.backend == "reference" else torch.bfloat16
+        x = hidden.to(kernel_dtype)  # [1, H]
+        h = torch.cat([self.up[e].linear(x) for e in experts]).float()  # [k, 2I or I]
+        if self.up_bias is not None:
+            h = h + self.up_bias[experts].float()
+        a = self._activate(h).to(kernel_dtype)  # [k, I]
+        y = torch.cat([self.down[e].linear(a[slot : slot + 1]) for slot, e in enumerate(experts)]).float()  # [k, H]
+        if self.down_bias is not None:
+            y = y + self.down_bias[experts].float()
+        if self.post_norm is not None:
+            y = self.post_norm(y)
+        return (top_k_weights[0].float() @ y)[None].to(hidden.dtype)  # [1, H]
 
     def forward_grouped(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Eager path: the (token, slot) pairs sorted by expert, one matmul per expert hit."""
