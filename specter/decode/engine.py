@@ -37,6 +37,11 @@ TokensCallback = Callable[[int, list[int]], None]  # (prompt index, new token id
 StepCallback = Callable[[list[int]], None]  # decode_prompt's hook: the new token ids so far
 
 
+class StopDecoding(Exception):
+    """Raised by an ``on_tokens`` callback to end the current prompt where it is (a stop
+    sequence matched): its tokens so far are kept and the call goes on, report included."""
+
+
 @dataclass
 class GenerationResult:
     texts: list[str]
@@ -95,13 +100,14 @@ class Engine:
     ) -> list[int]:
         """The one decoding loop of every engine: prefill, then rounds (``decode_round``) until
         max_new_tokens or EOS. ``on_step`` sees the new tokens after the prefill and after every
-        round; an exception it raises stops decoding and propagates."""
+        round; ``StopDecoding`` from it ends this prompt with the tokens so far, any other
+        exception stops decoding and propagates."""
         kv = self.new_kv_cache()
         self.start_prompt()
         token = self.prefill(prompt_ids, kv, generator, metrics)
         new_tokens = [token]
-        if on_step is not None:
-            on_step(new_tokens)
+        if on_step is not None and self._stopped_by(on_step, new_tokens):
+            return new_tokens
         while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
             started = time.perf_counter()
             emitted = self.decode_round(token, kv, generator, metrics, max_new_tokens - len(new_tokens),
@@ -113,9 +119,17 @@ class Engine:
             metrics.observe_decode_step(len(emitted), time.perf_counter() - started)
             new_tokens.extend(emitted)
             token = new_tokens[-1]
-            if on_step is not None:
-                on_step(new_tokens)
+            if on_step is not None and self._stopped_by(on_step, new_tokens):
+                break
         return new_tokens
+
+    @staticmethod
+    def _stopped_by(on_step: StepCallback, new_tokens: list[int]) -> bool:
+        try:
+            on_step(new_tokens)
+        except StopDecoding:
+            return True
+        return False
 
     def start_prompt(self) -> None:
         """A new prompt begins (predictors that track positions start over)."""
@@ -179,8 +193,9 @@ class Engine:
     ) -> GenerationResult:
         """Generate for each prompt in turn. ``max_new_tokens``, ``sampling`` and ``seed`` override
         the recipe's for this call; ``on_tokens(prompt index, new ids so far)`` is called after the
-        prefill and after every decoding step (streaming), and an exception it raises stops the
-        call (cancellation) and propagates."""
+        prefill and after every decoding step (streaming): ``StopDecoding`` from it ends that
+        prompt there (its tokens so far are its result), any other exception stops the call
+        (cancellation) and propagates."""
         from specter.report.schema import build_report
 
         max_new = self.recipe.max_new_tokens if max_new_tokens is None else check_max_new_tokens(max_new_tokens)

@@ -32,6 +32,7 @@ from typing import Any
 from specter.serve.metrics import ServerMetrics
 from specter.serve.textstream import TextStream
 
+from specter.decode.engine import StopDecoding
 from specter.decode.sampling import SamplingParams
 
 __all__ = ["Cancelled", "Delta", "Done", "Failed", "Job", "QueueFull", "Scheduler", "SamplingParams"]
@@ -68,10 +69,6 @@ class QueueFull(Exception):
     def __init__(self, depth: int, retry_after_s: int) -> None:
         super().__init__(f"the server is busy: {depth} request(s) already wait for the engine; retry later")
         self.depth, self.retry_after_s = depth, retry_after_s
-
-
-class _StopGeneration(Exception):
-    """Raised from on_tokens: a stop string matched, generation ends (not an error)."""
 
 
 class _ClientGone(Exception):
@@ -231,34 +228,29 @@ class Scheduler:
             if delta:
                 job.emit(Delta(delta, len(ids)))
             if stopped:
-                raise _StopGeneration()
+                raise StopDecoding()  # the engine ends the prompt here, report included
 
-        report = None
         try:
             result = engine.generate([job.prompt_ids], job.max_tokens, sampling=job.sampling, seed=job.seed,
                                      on_tokens=on_tokens)
-        except _StopGeneration:
-            completion_tokens = clock["tokens"]
         except _ClientGone:
             job.emit(Cancelled())
             return "cancelled"
-        else:
-            report = result.report
-            completion_tokens = len(result.token_ids[0])
-            delta, _ = stream.update(result.token_ids[0], final=True)
-            if delta:
-                job.emit(Delta(delta, completion_tokens))
+        report = result.report
+        completion_tokens = len(result.token_ids[0])
+        delta, _ = stream.update(result.token_ids[0], final=True)  # nothing once a stop matched
+        if delta:
+            job.emit(Delta(delta, completion_tokens))
         finish = "stop" if stream.stopped or stream.ended_by_eos else "length"
         figures = self._figures(report, clock, queue_wait_s)
         self.metrics.observe_completion(len(job.prompt_ids), completion_tokens, figures)
         job.emit(Done(stream.text, finish, len(job.prompt_ids), completion_tokens, figures))
         return "completed"
 
-    def _figures(self, report: dict | None, clock: dict, queue_wait_s: float) -> dict:
+    def _figures(self, report: dict, clock: dict, queue_wait_s: float) -> dict:
         """The ``specter`` extension field of a response (see docs/serve.md)."""
         first, last, tokens = clock["first"], clock["last"], clock["tokens"]
         measured_tps = (tokens - 1) / (last - first) if first and last and last > first and tokens > 1 else None
-        report = report or {}
         return {
             "engine": self.engine_name or report.get("engine"),
             "queue_wait_s": queue_wait_s,
@@ -270,5 +262,4 @@ class Scheduler:
             "bytes_transferred": report.get("bytes_transferred"),
             "transfer_wait_s": report.get("transfer_wait_s"),
             "decode_s": (last - first) if first and last else 0.0,
-            "full_report": bool(report),
         }

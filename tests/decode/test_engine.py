@@ -176,6 +176,25 @@ def test_on_tokens_streams_every_step_and_an_exception_cancels(name, checkpoint)
     engine.close()
 
 
+def test_stop_decoding_ends_the_prompt_with_its_tokens_and_a_full_report(checkpoint):
+    from specter.decode.engine import StopDecoding
+
+    engine = specter.load(recipe(checkpoint, "specter"))
+    full = engine.generate(PROMPTS[:2])
+
+    def stop_after_five(index, ids):
+        if index == 0 and len(ids) >= 5:
+            raise StopDecoding
+
+    cut = engine.generate(PROMPTS[:2], on_tokens=stop_after_five)
+    first = cut.token_ids[0]
+    assert 5 <= len(first) < len(full.token_ids[0]) and first == full.token_ids[0][: len(first)]
+    assert cut.token_ids[1] == full.token_ids[1]  # the next prompt decodes in full
+    assert cut.report["hit_rate"] is not None and cut.report["acceptance_rate"] is not None
+    assert cut.report["new_tokens"] == len(first) + len(cut.token_ids[1])
+    engine.close()
+
+
 def test_per_call_sampling_and_seed_override_the_recipe(checkpoint):
     from specter.decode.sampling import SamplingParams
 
