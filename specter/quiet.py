@@ -4,7 +4,8 @@ Contract: ``quiet_third_party()`` (called when ``specter`` is imported) makes to
 optional C++ extensions (Specter uses only its pure-Python quantisation math, and loading the
 ``.so`` files against another torch build prints failures that look like a broken install),
 silences the torchao logger below ERROR and PyTorch's ``_pytree`` deprecation warnings raised from
-inside transformers/torchao. ``loading_quietly()`` hides transformers' weight-loading progress
+inside transformers/torchao, and drops accelerate's "parameters are on the meta device because
+they were offloaded" line (the ``hf-offload`` baseline offloads on purpose). ``loading_quietly()`` hides transformers' weight-loading progress
 bars around a model load. Setting ``SPECTER_VERBOSE=1`` (the CLIs' ``--verbose``) turns all of
 it off, so the output is what the libraries print themselves.
 """
@@ -33,6 +34,11 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=r".*_pytree.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*_pytree.*", category=DeprecationWarning)
     warnings.filterwarnings("ignore", message=r".*_pytree.*", category=UserWarning)
+    logging.getLogger("accelerate.big_modeling").addFilter(_drop_offload_notice)
+
+
+def _drop_offload_notice(record: logging.LogRecord) -> bool:
+    return "on the meta device because they were offloaded" not in record.getMessage()
 
 
 @contextlib.contextmanager
