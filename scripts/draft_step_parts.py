@@ -5,7 +5,9 @@ model, whose difference from the target's experts is the part draft and target s
 Run: python scripts/draft_step_parts.py [RECIPE] [--set key=value ...]
      (default: recipes/specter.yaml with model=bundled:tiny-moe-x16; one thread)
 Each figure is the median of 7 x 20 calls, one token, random top-k routing per layer. CPU only
-(the resident copy is loaded on the CPU).
+(the resident copy is loaded on the CPU). The last line is the draft step's floor as a fraction
+of a target step with these kernels: the INT4 matmuls alone (bf16 in and out, no other op) plus
+the part of a step draft and target share (attention, norms, router, LM head).
 """
 
 from __future__ import annotations
@@ -59,16 +61,29 @@ def main() -> None:
         for m in layers:
             grouped_experts(x, *routing(), m.experts.gate_up_proj, m.experts.down_proj, m.experts._apply_gate)
 
+    first = next(iter(engine.draft.values()))
+    x_kernel = x.to(torch.bfloat16)  # the int4pack kernels' input dtype: the matmuls with no glue
+    a_kernel = torch.randn(1, first.down[0].shape[1], dtype=torch.bfloat16)
+
+    def draft_matmuls() -> None:
+        for draft in engine.draft.values():
+            for expert in routing()[0][0].tolist():
+                draft.up[expert].linear(x_kernel)
+                draft.down[expert].linear(a_kernel)
+
     def forward() -> None:
-        model(torch.tensor([[5]]), past_key_values=DynamicCache())
+        model(input_ids=torch.tensor([[5]]), cache=DynamicCache(), use_cache=True)
 
     with torch.no_grad():
         draft, target, whole = median_ms(draft_experts), median_ms(target_experts), median_ms(forward)
+        matmuls = median_ms(draft_matmuls)
     shared = whole - target
     print(f"draft INT4 experts, all layers   {draft:6.2f} ms")
     print(f"target experts, all layers       {target:6.2f} ms")
     print(f"whole one-token forward          {whole:6.2f} ms  (shared part {shared:.2f} ms)")
+    print(f"  of which the INT4 matmuls alone {matmuls:6.2f} ms")
     print(f"draft / target: experts alone {draft / target:.2f}, with the shared part {(draft + shared) / whole:.2f}")
+    print(f"floor with these kernels (INT4 matmuls + shared part, nothing else): {(matmuls + shared) / whole:.2f}")
     engine.close()
 
 
