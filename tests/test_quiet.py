@@ -11,8 +11,7 @@ from specter.quiet import verbose
 
 @pytest.mark.skipif(verbose(), reason="SPECTER_VERBOSE shows everything")
 def test_accelerates_offload_notice_is_dropped_and_its_other_warnings_are_not(caplog):
-    import specter  # noqa: F401  (importing specter installs the filters)
-
+    # importing specter (above, for specter.quiet) installed the filter
     logger = logging.getLogger("accelerate.big_modeling")
     with caplog.at_level(logging.WARNING):
         logger.warning("Some parameters are on the meta device because they were offloaded to the disk.")

@@ -216,7 +216,7 @@ def test_a_round_cut_short_at_the_end_of_a_prompt_is_neither_a_probe_nor_a_surpr
     governor = RooflineGovernor(k=4)
     machine = Machine(0.9, 1e-3)
     drive(governor, machine, 40)
-    while (k := governor.next_k()) == 0:
+    while governor.next_k() == 0:
         accepted, timings = machine.round(0)
         governor.observe(drafted=0, accepted=accepted, **timings)
     probes_before, next_probe = governor.summary()["probes"], governor._next_probe
