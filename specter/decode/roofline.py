@@ -29,7 +29,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   noise on a flat roofline does not make it flap.
   k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 1
   when speculation is off, and every third time the k whose width was measured least recently
-  among those predicted within ``FAR_PROBE_RANGE`` of the best rate)
+  among those predicted within ``FAR_PROBE_RANGE`` of the best rate, k = 0 first when its own
+  average is older than ``STALE_HALF_LIFE`` rounds)
   so that estimates stay fresh, widths far from its choice are measured rather than
   extrapolated, and it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
