@@ -127,21 +127,21 @@ class Registry:
             raise SpecterError(
                 f"{where}option {reserved[0]!r} of {kind} {name!r} is set by the engine; remove it"
             )
-        accepted = _named_parameters(factory, context)
+        signature = _signature(factory)
+        accepted = _named_parameters(signature, context)
         unknown = [option for option in options if accepted is not None and option not in accepted]
         if unknown and not getattr(factory, "accepts_any_options", False):
             raise SpecterError(
                 _one_line(f"{where}unknown option {bounded_repr(unknown[0])} for {kind} {name!r}; "
                           f"accepted options: {', '.join(accepted or []) or '(none)'}")
             )
-        kwargs = {**_offered(factory, context), **options}
+        kwargs = {**_offered(signature, context), **options}
         try:
-            inspect.signature(factory).bind(**kwargs)
+            if signature is not None:  # without a readable signature the call below is the check
+                signature.bind(**kwargs)
         except TypeError as exc:
             raise SpecterError(_one_line(f"{where}bad options {bounded_repr(options)} for {kind} {name!r} "
                                          f"({exc}); accepted options: {', '.join(accepted or []) or '(none)'}")) from None
-        except ValueError:
-            pass  # no readable signature: the call below is the check
         try:
             made = factory(**kwargs)
         except ValueError as exc:
@@ -157,13 +157,20 @@ class Registry:
         return made
 
 
-def _named_parameters(factory: Callable[..., object], context: dict[str, Any]) -> list[str] | None:
-    """The option names a factory takes (its parameters, context keywords and ``self`` excluded);
-    None when its signature cannot be read."""
+def _signature(factory: Callable[..., object]) -> inspect.Signature | None:
+    """The factory's signature, None when it cannot be read (some builtins)."""
     try:
-        parameters = inspect.signature(factory).parameters
+        return inspect.signature(factory)
     except (TypeError, ValueError):
         return None
+
+
+def _named_parameters(signature: inspect.Signature | None, context: dict[str, Any]) -> list[str] | None:
+    """The option names a factory takes (its parameters, context keywords and ``self`` excluded);
+    None when its signature cannot be read."""
+    if signature is None:
+        return None
+    parameters = signature.parameters
     plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return [p.name for p in parameters.values() if p.kind in plain and p.name not in context and p.name != "self"]
 
@@ -172,12 +179,12 @@ def _one_line(message: str) -> str:
     return " ".join(message.split())
 
 
-def _offered(factory: Callable[..., object], context: dict[str, Any]) -> dict[str, Any]:
-    """The context keywords ``factory`` names (all of them if it takes ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
+def _offered(signature: inspect.Signature | None, context: dict[str, Any]) -> dict[str, Any]:
+    """The context keywords a factory names (all of them if it takes ``**kwargs`` or its
+    signature cannot be read)."""
+    if signature is None:
         return dict(context)
+    parameters = signature.parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return dict(context)
     return {name: value for name, value in context.items() if name in parameters}

@@ -12,7 +12,9 @@ excluded), so ``0 <= accepted <= drafted``. ``timings`` are the round's measured
 ``host_s``, ``round_s`` (seconds) and ``draft_steps``, ``experts_read`` (counts); a governor
 ignores names it does not use. ``summary() -> dict`` is the report's ``governor`` entry (default:
 its name) and covers the rounds since the last ``new_report()``, which the engine calls at the
-start of every ``generate`` (what the governor learned is kept across reports).
+start of every ``generate`` (what the governor learned is kept across reports). ``link_changed()``
+(optional) is called when the engine starts moving experts over another link (``use_link``):
+costs measured on the old link no longer hold.
 Built-ins (``specter.decode.governors``): ``fixed`` (always k) and ``roofline``
 (``specter.decode.roofline``).
 """
@@ -45,6 +47,10 @@ class Governor(ABC):
     def new_report(self) -> None:
         """A new report starts (one ``generate`` call): ``summary()`` covers the rounds from here
         on, while what the governor has learned stays. The default keeps nothing per report."""
+
+    def link_changed(self) -> None:
+        """Experts move over another link from now on: round costs measured so far were of the
+        old one. The default does nothing."""
 
     def summary(self) -> dict:
         """The report's ``governor`` entry; the default names the governor."""

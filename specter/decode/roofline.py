@@ -40,7 +40,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   acceptance averages by ``SURPRISE_STEP`` instead of ``ACCEPTANCE_EMA``; a round more than
   ``CHANGE_FACTOR`` times off ages every other width's average by four half-lives, so its next
   sample replaces most of it, and tries both neighbours of its k in the next rounds). The first
-  rounds visit k0, 0, 1 and 2 to calibrate.
+  rounds visit k0, 0, 1 and 2 to calibrate, and so do the first rounds after ``link_changed()``
+  (the engine moved to another link), which also counts as a change of conditions.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored.
 - ``table()`` gives, for every k, the expected accepted tokens, predicted round time and tokens/s;
@@ -356,6 +357,14 @@ class RooflineGovernor(Governor):
             if not self._calibration:
                 neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
                 self._calibration = [c for c in neighbours if c != drafted]
+
+    def link_changed(self) -> None:
+        """Conditions changed by the engine's own account: treated as a round showing a change
+        (every width measured so far stands on the line through those measured from now on, and
+        is replaced by its next sample), and the first rounds calibrate again."""
+        self._changed_at = self.rounds + 1
+        self._calibration = list(dict.fromkeys([self.k0, 0, 1, min(2, self.k_max)]))
+        self._interval, self._next_probe = self.probe_every, self.rounds + self.probe_every
 
     def new_report(self) -> None:
         self._report_from = len(self.history)

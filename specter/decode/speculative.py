@@ -180,6 +180,11 @@ class SpecterEngine(PrefetchingEngine):
         super().reset_counters()
         call_plugin("governor", self.governor, "new_report")
 
+    def use_link(self, link) -> None:
+        super().use_link(link)
+        if hasattr(self.governor, "link_changed"):  # optional in the governor contract
+            call_plugin("governor", self.governor, "link_changed")
+
     def _draft_steps(self, k: int) -> int:
         """Draft forward passes for k drafted tokens: k, plus the routing-only one (lookahead_last)."""
         return k + (1 if self.routing_step and k else 0)

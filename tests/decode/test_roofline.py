@@ -239,3 +239,16 @@ def test_estimates_made_on_a_slower_link_do_not_keep_wide_rounds_from_being_chos
     assert best >= 6 and settled(after) >= 6
     rate = sum(t for t, _ in log[20:]) / sum(s for _, s in log[20:])
     assert rate >= 0.94 * fixed_rate(fast, best)
+
+
+def test_after_the_engine_reports_a_new_link_every_width_follows_the_new_costs():
+    machine = Machine(0.9, 2e-2, draft=5e-4)
+    governor = RooflineGovernor(k=4)
+    drive(governor, machine, 150)
+    machine.io = 5e-4  # the engine moved to a 40x faster link and says so
+    governor.link_changed()
+    chosen = drive(governor, machine, 40)
+    assert chosen[:4] == [4, 0, 1, 2]  # calibrates again
+    for k in range(governor.k_max + 1):
+        true_round = machine.round(k)[1]["round_s"]
+        assert abs(governor.round_s(k) - true_round) < 0.3 * true_round, k

@@ -155,6 +155,20 @@ def test_the_routing_only_draft_step_runs_only_where_a_copy_can_hide_behind_it(l
     assert report["draft"]["lookahead_last"] is routing_step
 
 
+def test_moving_to_another_link_tells_the_governor_and_stays_lossless(checkpoints, resident):
+    from specter.memory.links import LocalLink
+
+    engine = specter.load(recipe(checkpoints["mixtral"], "specter", speculation={"governor": {"name": "roofline"}}))
+    try:
+        engine.generate(PROMPTS[:1])
+        rounds = engine.governor.rounds
+        engine.use_link(LocalLink())
+        assert engine.governor._changed_at == rounds + 1 and engine.governor._calibration
+        assert engine.generate(PROMPTS).token_ids == resident["mixtral"]
+    finally:
+        engine.close()
+
+
 def test_build_draft_covers_every_moe_layer_and_stays_resident(checkpoints):
     from specter.model.loader import load_model
 
