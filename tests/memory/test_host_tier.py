@@ -18,6 +18,7 @@ from specter.errors import RecipeError, SpecterError
 from specter.memory.disk import CheckpointIndex, DiskExperts
 from specter.memory.disk_store import DiskSource
 from specter.memory.host_tier import HostTierLink
+from specter.memory.link import Transfer
 from specter.memory.links import EmulatedLink, LocalLink
 from specter.model.layout import moe_layers
 from specter.policies.lru import LRUPolicy
@@ -69,12 +70,37 @@ def test_a_staged_read_is_not_read_again_when_its_copy_is_asked(disk):
     tier.close()
 
 
+class GateLink(LocalLink):
+    """Device copies that finish only once the test opens the gate (a busy buffer stays busy
+    however the threads are scheduled)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def submit(self, dst, src, slot):
+        gate, parent = self.gate, super()
+
+        class Gated(Transfer):
+            nbytes = 0
+
+            def done(self) -> bool:
+                return gate.is_set()
+
+            def wait(self, timeout=None) -> float:
+                gate.wait()
+                parent.submit(dst, src, slot)
+                return 0.0
+
+        return Gated()
+
+
 def test_the_budget_evicts_by_policy_and_a_busy_buffer_is_never_taken(disk):
-    link = EmulatedLink(gbps=0.05)  # slow: a copy keeps its buffer busy for a while
+    link = GateLink()  # the first copy keeps its buffer busy until the gate opens
     tier = HostTierLink(link, capacity=1, policy=LRUPolicy())
     first, second = slot(disk), slot(disk)
     copy_first = tier.submit(first, DiskSource(disk, 0, 1), 0)
     copy_second = tier.submit(second, DiskSource(disk, 0, 2), 1)  # the only buffer is busy: read through
+    link.gate.set()
     copy_first.wait()
     copy_second.wait()
     assert_holds(first, disk, 0, 1)
