@@ -5,8 +5,8 @@ optional C++ extensions (Specter uses only its pure-Python quantisation math, an
 ``.so`` files against another torch build prints failures that look like a broken install),
 silences the torchao logger below ERROR and PyTorch's ``_pytree`` deprecation warnings raised from
 inside transformers/torchao, and drops accelerate's "parameters are on the meta device because
-they were offloaded" line (the ``hf-offload`` baseline offloads on purpose). ``loading_quietly()`` hides transformers' weight-loading progress
-bars around a model load. Setting ``SPECTER_VERBOSE=1`` (the CLIs' ``--verbose``) turns all of
+they were offloaded" line (the ``hf-offload`` baseline offloads on purpose).
+``loading_quietly()`` hides transformers' weight-loading progress bars around a model load. Setting ``SPECTER_VERBOSE=1`` (the CLIs' ``--verbose``) turns all of
 it off, so the output is what the libraries print themselves.
 """
 
@@ -64,5 +64,6 @@ def unquiet() -> None:
     os.environ[VERBOSE_ENV] = "1"
     logging.getLogger("torchao").setLevel(logging.NOTSET)
     logging.getLogger("torch.utils._pytree").setLevel(logging.NOTSET)
+    logging.getLogger("accelerate.big_modeling").removeFilter(_drop_offload_notice)
     warnings.filters[:] = [f for f in warnings.filters if not (f[0] == "ignore" and f[1] is not None
                                                                and "_pytree" in f[1].pattern)]

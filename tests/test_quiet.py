@@ -19,3 +19,20 @@ def test_accelerates_offload_notice_is_dropped_and_its_other_warnings_are_not():
 
     assert not logger.filter(record("Some parameters are on the meta device because they were offloaded to the disk."))
     assert logger.filter(record("another accelerate warning"))
+
+
+def test_verbose_lets_the_offload_notice_through_again(monkeypatch):
+    from specter.quiet import VERBOSE_ENV, quiet_third_party, unquiet
+
+    monkeypatch.setenv(VERBOSE_ENV, "")  # restored after the test, whatever unquiet sets
+    logger = logging.getLogger("accelerate.big_modeling")
+    notice = logger.makeRecord(logger.name, logging.WARNING, __file__, 0,
+                               "Some parameters are on the meta device because they were offloaded to the disk.",
+                               None, None)
+    try:
+        unquiet()
+        assert logger.filter(notice)
+    finally:
+        monkeypatch.setenv(VERBOSE_ENV, "")
+        quiet_third_party()  # the rest of the suite runs quiet, as it started
+    assert not logger.filter(notice)

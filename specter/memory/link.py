@@ -47,8 +47,9 @@ class Link(ABC):
     ``kind`` names the plugin in reports; ``gbps``/``latency_us`` describe the link where it
     knows them (None otherwise); ``emulated`` must be True when its timing is paced rather than
     real, so reports label its figures; ``overlaps_compute`` is False for a link whose ``submit``
-    completes the copy before returning (then prefetching early hides nothing). Factories are offered ``device`` (the engine's device)
-    and receive ``offload.link.options`` (and ``gbps``/``latency_us`` for ``emulated``)."""
+    completes the copy before returning (then prefetching early hides nothing). Factories are
+    offered ``device`` (the engine's device) and receive ``offload.link.options`` (and
+    ``gbps``/``latency_us`` for ``emulated``)."""
 
     kind: str = ""
     gbps: float | None = None
