@@ -9,7 +9,9 @@ docs/benchmarks.md and read by ``specter.bench.tables`` and ``specter.bench.plot
   the same minutes; ``hf-offload`` runs eagerly once per budget (it has no link and no compiled
   mode).
 - In a cell every engine first generates ``warmup_tokens`` tokens on the first prompt (untimed),
-  then all engines run all prompts ``repeats`` times, alternating their order each repeat.
+  then all engines run all prompts ``repeats`` times, alternating their order each repeat; within
+  a repeat they take turns prompt by prompt (``Engine.generate_by_prompt``), so every engine's
+  rate spans the same minutes of the machine.
 - A row is one (engine label, budget, link, compile mode): decode tokens/s (median, min, max and
   every run), the figures of its last run, whether its greedy tokens equal the eager
   ``resident`` engine's, and its median's ratio to each baseline's median in the same cell.
@@ -26,7 +28,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -141,8 +143,7 @@ class Sweep:
         cell = self.cells.setdefault((budget, link, compile), {})
         for repeat in range(self.spec.repeats):
             order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
-            for label in order:
-                result = engines[label].generate(self.prompts)
+            for label, result in take_turns(engines, order, self.prompts):
                 rate = result.report["decode_tokens_per_s"]
                 key = scopes.get(label, (label, budget, link, compile))
                 self.runs.setdefault(key, []).append(result.report)
@@ -241,6 +242,21 @@ class Sweep:
             "repeats": self.spec.repeats, "wall_s": wall_s, "links": links, "budgets": list(self.spec.budgets),
             "bench_recipe": self.spec.as_dict(), "rows": self.rows(),
         }
+
+
+def take_turns(engines: dict[str, Any], order: list[str], prompts: list) -> Iterator[tuple[str, Any]]:
+    """Every engine generates every prompt, one prompt at a time in turn (the first engine of
+    ``order`` decodes prompt 1, then the next engine prompt 1, ..., then the first prompt 2), so a
+    slow spell of the machine falls on every engine alike; yields (label, GenerationResult) as
+    each engine finishes its last prompt."""
+    running = {label: engines[label].generate_by_prompt(prompts) for label in order}
+    while running:
+        for label in list(running):
+            try:
+                next(running[label])
+            except StopIteration as finished:
+                del running[label]
+                yield label, finished.value
 
 
 def _cell_name(budget, link, compile) -> str:

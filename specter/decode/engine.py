@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -196,31 +196,48 @@ class Engine:
         prefill and after every decoding step (streaming): ``StopDecoding`` from it ends that
         prompt there (its tokens so far are its result), any other exception stops the call
         (cancellation) and propagates."""
+        steps = self.generate_by_prompt(prompts, max_new_tokens, progress, sampling=sampling, seed=seed,
+                                        on_tokens=on_tokens)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as finished:
+                return finished.value
+
+    def generate_by_prompt(
+        self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int | None = None,
+        progress: ProgressCallback | None = None, *, sampling: SamplingParams | None = None,
+        seed: int | None = None, on_tokens: TokensCallback | None = None,
+    ) -> Generator[int, None, GenerationResult]:
+        """``generate`` one prompt at a time: a generator that yields each prompt's index once it
+        is decoded and returns the ``GenerationResult`` (``StopIteration.value``), whose report
+        covers every prompt. The caller may run other work between prompts (the bench interleaves
+        engines prompt by prompt); ``wall_s`` counts only the time spent inside this call."""
         from specter.report.schema import build_report
 
         max_new = self.recipe.max_new_tokens if max_new_tokens is None else check_max_new_tokens(max_new_tokens)
         generator = torch.Generator(device=self.device).manual_seed(self.recipe.seed if seed is None else int(seed))
-        recipe_sampling, self.sampling = self.sampling, sampling or self.sampling
         metrics = GenerationMetrics()
         self.reset_counters()
         compile_before = self.compiled.snapshot() if self.compiled is not None else None
         encoded = [self.encode(prompt) for prompt in prompts]
         for index, prompt_ids in enumerate(encoded):
             self.check_context(prompt_ids, max_new, f"prompt {index + 1}")
-        all_prompt_ids, all_new = [], []
-        started = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                for index, prompt_ids in enumerate(encoded):
+        all_new = []
+        for index, prompt_ids in enumerate(encoded):
+            started = time.perf_counter()
+            recipe_sampling, self.sampling = self.sampling, sampling or self.sampling
+            try:
+                with torch.inference_mode():
                     on_step = self._step_hook(index, len(prompts), progress, on_tokens)
-                    new_ids = self.decode_prompt(prompt_ids, max_new, generator, metrics, on_step)
-                    all_prompt_ids.append(prompt_ids)
-                    all_new.append(new_ids)
-        finally:
-            self.sampling = recipe_sampling
-        metrics.wall_s = time.perf_counter() - started
+                    all_new.append(self.decode_prompt(prompt_ids, max_new, generator, metrics, on_step))
+            finally:
+                self.sampling = recipe_sampling
+                metrics.wall_s += time.perf_counter() - started
+            if index + 1 < len(encoded):
+                yield index
         texts = [self.decode_text(ids) for ids in all_new]
-        result = GenerationResult(texts=texts, token_ids=all_new, prompt_ids=all_prompt_ids)
+        result = GenerationResult(texts=texts, token_ids=all_new, prompt_ids=encoded)
         result.report = build_report(self, metrics, result)
         result.report["compile"] = self.compiled.report(compile_before) if self.compiled is not None else None
         return result

@@ -9,7 +9,7 @@ import pytest
 
 from specter.bench.__main__ import main
 from specter.bench.spec import SAME_MEMORY, load_bench
-from specter.bench.sweep import run_bench
+from specter.bench.sweep import run_bench, take_turns
 
 LINKS = {"slow": {"kind": "emulated", "gbps": 0.05, "latency_us": 10}, "fast": {"kind": "local"}}
 
@@ -90,3 +90,25 @@ def test_cli_refuses_bad_input_with_exit_2(tiny_mixtral, tmp_path, capsys):
     assert main(["recipes/specter.yaml", "--budgets", "-3"]) == 2
     assert "sweep.budgets[0]" in capsys.readouterr().err
     assert main(["recipes/specter.yaml", "--links", "{not json"]) == 2
+
+
+class TurnTaker:
+    """An engine stand-in whose ``generate_by_prompt`` records (name, prompt) as it decodes."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def generate_by_prompt(self, prompts):
+        for index, prompt in enumerate(prompts):
+            self.log.append((self.name, prompt))
+            if index + 1 < len(prompts):
+                yield index
+        return f"{self.name} done"
+
+
+def test_engines_take_turns_prompt_by_prompt():
+    log: list = []
+    engines = {name: TurnTaker(name, log) for name in ("a", "b", "c")}
+    finished = list(take_turns(engines, ["c", "a", "b"], ["p1", "p2", "p3"]))
+    assert log == [(n, p) for p in ("p1", "p2", "p3") for n in ("c", "a", "b")]
+    assert finished == [("c", "c done"), ("a", "a done"), ("b", "b done")]

@@ -227,3 +227,23 @@ def test_prompt_plus_generation_beyond_the_context_length_is_refused_before_work
         engine.generate(PROMPTS[:1], max_new_tokens=limit)
     assert len(engine.generate([[1] * (limit - MAX_NEW)]).token_ids[0]) == MAX_NEW
     engine.close()
+
+
+def test_generate_by_prompt_yields_between_prompts_and_times_only_its_own_work(checkpoint):
+    import time
+
+    engine = specter.load(recipe(checkpoint, "specter"))
+    whole = engine.generate(PROMPTS)
+    steps = engine.generate_by_prompt(PROMPTS)
+    assert next(steps) == 0  # the first prompt is decoded; the second is not begun
+    pause = 1.0 + 5 * whole.report["wall_s"]
+    time.sleep(pause)  # other work between prompts (another engine's turn in the bench)
+    with pytest.raises(StopIteration) as finished:
+        next(steps)
+    result = finished.value.value
+    assert result.token_ids == whole.token_ids
+    assert result.report["new_tokens"] == whole.report["new_tokens"]
+    assert result.report["hit_rate"] is not None
+    assert result.report["wall_s"] < pause  # the pause between prompts is not counted
+    assert not torch.is_inference_mode_enabled()  # nothing leaks into the caller between prompts
+    engine.close()
