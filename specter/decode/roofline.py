@@ -2,9 +2,9 @@
 
 Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
 - Tokens per round with k drafts: ``1 + E[accepted(k)]``, ``E[accepted(k)] = sum_{i<=k} prod_{j<=i}
-  p_j`` with ``p_j`` the acceptance at draft position j, an exponential moving average: a round
-  that kept a of k drafts observes 1 at positions 1..a and 0 at position a+1. A position seen
-  fewer than 20 times uses the average over all positions instead.
+  p_j`` with ``p_j`` the acceptance at draft position j (``AcceptanceEstimate``: a round that
+  kept a of k drafts observes 1 at positions 1..a and 0 at position a+1; each position's
+  estimate is shrunk towards the acceptance pooled over all positions).
 - Round time: ``T(k) = host + steps(k) * t_draft + V(k + 1)``. ``t_draft`` is the moving average of
   one draft step (``steps(k) = k + 1`` while the engine runs a routing-only step, ``k`` once its
   ``draft_steps`` say it does not, 0 for k = 0); ``V(T)`` is the
@@ -36,9 +36,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
   most 8 x ``probe_every``), back to ``probe_every`` when the choice changes, and two rounds
   after a probe whose first draft token was accepted (or rejected) against the odds or a round
-  whose time was more than ``TIME_SURPRISE`` off its prediction (such a probe also moves the
-  acceptance averages by ``SURPRISE_STEP`` instead of ``ACCEPTANCE_EMA``; a round more than
-  ``CHANGE_FACTOR`` times off ages every other width's average by four half-lives, so its next
+  whose time was more than ``TIME_SURPRISE`` off its prediction (such a probe also makes the
+  acceptance estimate restart from its value, so the next observations move it fast; a round
+  more than ``CHANGE_FACTOR`` times off ages every other width's average by four half-lives, so its next
   sample replaces most of it, and tries both neighbours of its k in the next rounds). The first
   rounds visit k0, 0, 1 and 2 to calibrate, and so do the first rounds after ``link_changed()``
   (the engine moved to another link), which also counts as a change of conditions.
@@ -56,13 +56,12 @@ import logging
 import math
 import statistics
 
+from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import Governor
 
 log = logging.getLogger("specter.governor")
-ACCEPTANCE_EMA = 0.1  # per observed draft position
-MIN_POSITION_SAMPLES = 20
+MIN_POSITION_SAMPLES = 20  # a width's verify samples count at most this much in the fit
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
-SURPRISE_STEP = 0.3  # the acceptance averages' step on such a probe (instead of ACCEPTANCE_EMA)
 TIME_SURPRISE = 0.35  # a round this far (relative) from its predicted time makes the governor look around
 FAR_PROBE_RANGE = 0.6  # far probes only try a k predicted within this fraction of the best rate
 CHANGE_FACTOR = 2.0  # a time off by this factor (either way) means conditions changed, not noise
@@ -133,10 +132,7 @@ class RooflineGovernor(Governor):
         self.n_experts, self.top_k = n_experts, top_k
         self.weight, self.probe_every, self.max_latency_ms = ema, probe_every, max_latency_ms
         self.draft_ratio = draft_ratio
-        self.acceptance = [Ema(ACCEPTANCE_EMA) for _ in range(k_max + 1)]  # index j: position j (1-based)
-        self.pooled = Ema(ACCEPTANCE_EMA)
-        self.observed = [0] * (k_max + 1)
-        self.prior_acceptance = prior_acceptance
+        self.acceptance = AcceptanceEstimate(k_max, prior_acceptance)
         self.draft_step = Ema(ema)
         self.extra_steps = 1  # draft steps per round beyond k (the engine's routing-only step)
         self.host = Ema(ema)
@@ -156,18 +152,11 @@ class RooflineGovernor(Governor):
     # ----- the model --------------------------------------------------------------------------
 
     def position_acceptance(self, j: int) -> float:
-        """p_j: the position's own average once it has ``MIN_POSITION_SAMPLES`` observations, else
-        the average over all positions (the prior before any observation)."""
-        if self.observed[j] >= MIN_POSITION_SAMPLES:
-            return self.acceptance[j].value
-        return self.pooled.value if self.pooled.value is not None else self.prior_acceptance
+        """p_j, the estimated acceptance at draft position j (``AcceptanceEstimate``)."""
+        return self.acceptance.p(j)
 
     def expected_accepted(self, k: int) -> float:
-        total, run = 0.0, 1.0
-        for j in range(1, k + 1):
-            run *= self.position_acceptance(j)
-            total += run
-        return total
+        return self.acceptance.expected_accepted(k)
 
     def verify_s(self, width: int) -> float | None:
         """Predicted flush + verify seconds of a width-T pass. A plain round (T = 1, nothing
@@ -308,14 +297,7 @@ class RooflineGovernor(Governor):
             if abs(min(accepted, 1) - expected) > SURPRISE:  # the draft behaves unlike its estimate
                 self._interval, self._next_probe = self.probe_every, self.rounds + 2
                 surprised = True
-        for j in range(1, min(drafted, self.k_max) + 1):
-            self.observed[j] += 1
-            outcome = 1.0 if j <= accepted else 0.0
-            step = SURPRISE_STEP if surprised else None  # a defied estimate moves faster
-            self.acceptance[j].update(outcome, step)
-            self.pooled.update(outcome, step)
-            if not outcome:
-                break
+        self.acceptance.observe(drafted, accepted, surprised)  # a defied estimate restarts
         steps = int(timings.get("draft_steps", 0) or 0)
         if steps and "draft_s" in timings:
             self.draft_step.update(timings["draft_s"] / steps)
