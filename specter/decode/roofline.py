@@ -27,7 +27,7 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set);
   the current choice is kept while no other k is predicted more than ``HOLD_MARGIN`` faster, so
   noise on a flat roofline does not make it flap.
-  k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 1
+  k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 2
   when speculation is off, and every third time the k whose width was measured least recently
   among those predicted within ``FAR_PROBE_RANGE`` of the best rate, k = 0 first when its own
   average is older than ``STALE_HALF_LIFE`` rounds)
@@ -35,13 +35,18 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   extrapolated, and it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
   most 8 x ``probe_every``), back to ``probe_every`` when the choice changes, and two rounds
-  after a probe whose first draft token was accepted (or rejected) against the odds or a round
-  whose time was more than ``TIME_SURPRISE`` off its prediction (such a probe also makes the
+  after a probe whose first draft token was accepted (or rejected) against the odds, a probe
+  that kept every draft while speculation is off (so a draft that got good again is seen within
+  a few probes), or a round whose time was more than ``TIME_SURPRISE`` off its prediction (such a probe also makes the
   acceptance estimate restart from its value, so the next observations move it fast; a round
   more than ``CHANGE_FACTOR`` times off ages every other width's average by four half-lives, so its next
   sample replaces most of it, and tries both neighbours of its k in the next rounds). The first
   rounds visit k0, 0, 1 and 2 to calibrate, and so do the first rounds after ``link_changed()``
-  (the engine moved to another link), which also counts as a change of conditions.
+  (the engine moved to another link), which also counts as a change of conditions. A plain round
+  right after a drafted one finds the draft's prefetches in the cache and would make k = 0 look
+  cheap, so once the plain round has an average measured since the last change of conditions
+  such a round is not measured, and k = 0 is visited (calibrated or probed) for two rounds in a
+  row.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored.
 - ``table()`` gives, for every k, the expected accepted tokens, predicted round time and tokens/s;
@@ -110,6 +115,13 @@ def monotone(points: list[tuple[float, float]]) -> list[float]:
     return [mean for mean, _, count in blocks for _ in range(int(count))]
 
 
+def calibration_rounds(k0: int, k_max: int) -> list[int]:
+    """The k of the first rounds (and of those after ``link_changed()``): k0, then a plain round
+    twice (the first, right after a drafted round, finds the draft's prefetches in the cache and
+    is not measured), then 1 and 2."""
+    return [k0, *([0, 0] if k0 else [0]), *(c for c in (1, min(2, k_max)) if c != k0)]
+
+
 class Ema:
     def __init__(self, weight: float) -> None:
         self.weight = weight
@@ -140,13 +152,14 @@ class RooflineGovernor(Governor):
         self.verify_count: dict[int, int] = {}
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
         self._changed_at = -1  # the round whose time showed that conditions changed
+        self._previous_drafted = 0  # tokens the last observed round drafted
         self.rounds = 0
         self.last_k: int | None = None
         self.predicted_round_s: float | None = None
         self.history: list[dict] = []  # per round: k, probe, predicted and measured seconds
         self._report_from = 0  # the first round of the current report (new_report)
         self._speculating: bool | None = None
-        self._calibration = list(dict.fromkeys([k, 0, 1, min(2, k_max)]))
+        self._calibration = calibration_rounds(k, k_max)
         self._interval, self._next_probe, self._probes, self._last_best = probe_every, probe_every, 0, None
 
     # ----- the model --------------------------------------------------------------------------
@@ -252,6 +265,8 @@ class RooflineGovernor(Governor):
                 self._probes += 1
                 k = self._probe_k(k)
                 probe = True
+                if k == 0:
+                    self._calibration.insert(0, 0)  # a plain round after a drafted one is not measured
             elif best is not None:
                 self._announce(best)
         self.last_k = k
@@ -261,8 +276,8 @@ class RooflineGovernor(Governor):
         return k
 
     def _probe_k(self, k: int) -> int:
-        """The k to try instead of ``k``: its neighbours above and below (k = 1 when speculation
-        is off), and every third probe the k whose width was measured least recently (never
+        """The k to try instead of ``k``: its neighbours above and below (k = 2 when speculation
+        is off: two draft positions observed per probe), and every third probe the k whose width was measured least recently (never
         measured first, the nearest to ``k`` among equals) among those predicted within
         ``FAR_PROBE_RANGE`` of the best rate, so that widths far from the current
         choice are measured now and then rather than extrapolated."""
@@ -277,7 +292,7 @@ class RooflineGovernor(Governor):
             return min(others, key=lambda c: (not (c == 0 and plain_stale), self.verify_round.get(c + 1, -math.inf),
                                               abs(c - k))) if others else k
         if k == 0:
-            return 1
+            return min(2, self.k_max)
         return max(0, min(self.k_max, k + (1 if turn == 1 else -1)))
 
     def _announce(self, k: int) -> None:
@@ -296,6 +311,8 @@ class RooflineGovernor(Governor):
             expected = self.position_acceptance(1)
             if abs(min(accepted, 1) - expected) > SURPRISE:  # the draft behaves unlike its estimate
                 self._interval, self._next_probe = self.probe_every, self.rounds + 2
+            elif self._speculating is False and accepted == drafted:  # off, but every draft kept: look again soon
+                self._interval, self._next_probe = self.probe_every, self.rounds + 2
                 surprised = True
         self.acceptance.observe(drafted, accepted, surprised)  # a defied estimate restarts
         steps = int(timings.get("draft_steps", 0) or 0)
@@ -303,7 +320,9 @@ class RooflineGovernor(Governor):
             self.draft_step.update(timings["draft_s"] / steps)
             if drafted:
                 self.extra_steps = max(0, steps - drafted)
-        if "verify_s" in timings:
+        after_draft, self._previous_drafted = self._previous_drafted, drafted
+        warm_plain = drafted == 0 and after_draft and self.verify_round.get(1, -1) >= max(self._changed_at, 0)
+        if "verify_s" in timings and not warm_plain:
             width = drafted + 1
             age = self.rounds - self.verify_round.get(width, self.rounds)
             step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
@@ -345,7 +364,7 @@ class RooflineGovernor(Governor):
         (every width measured so far stands on the line through those measured from now on, and
         is replaced by its next sample), and the first rounds calibrate again."""
         self._changed_at = self.rounds + 1
-        self._calibration = list(dict.fromkeys([self.k0, 0, 1, min(2, self.k_max)]))
+        self._calibration = calibration_rounds(self.k0, self.k_max)
         self._interval, self._next_probe = self.probe_every, self.rounds + self.probe_every
 
     def new_report(self) -> None:
