@@ -7,14 +7,15 @@ draft position j (1-based); ``expected_accepted(k) = sum_{i<=k} prod_{j<=i} p(j)
 Each position's estimate is shrunk towards the acceptance pooled over all positions:
 ``p(j) = (S_j + PRIOR_STRENGTH * q) / (N_j + PRIOR_STRENGTH)``, with ``S_j`` and ``N_j`` the
 position's accepted and observed counts decayed by ``POSITION_DECAY`` per observation, and ``q``
-the pooled acceptance, a running mean whose step never falls below ``POOLED_EMA``. A position the draft really finds
-harder pulls away from ``q`` as its own evidence grows; one with few observations (deep positions
-while the governor keeps k small) follows ``q`` instead of its last few outcomes. A fast pooled
-average (``FAST_EMA``) watches for a change: once the two are more than ``SHIFT`` apart (a
-prompt the draft does badly on, or well again), the slow one restarts from the fast one and
-the positions' counts are dropped; the pooled mean then moves by 1/3, 1/4, ... of each new
-observation, as from a start. ``observe(..., surprised=True)`` (the caller
-saw the draft defy the estimate) restarts it the same way.
+the pooled acceptance, a running mean whose step never falls below ``POOLED_EMA``. A position
+the draft really finds harder pulls away from ``q`` as its own evidence grows; one with few
+observations (deep positions while the governor keeps k small) follows ``q`` instead of its last
+few outcomes. A fast pooled average (``FAST_EMA``) watches for a change: once the two are more
+than ``SHIFT`` apart (a prompt the draft does badly on, or well again), the slow one restarts
+from the fast one and the positions' counts are dropped; the pooled mean then moves by 1/3,
+1/4, ... of each new observation, as from a start. ``observe(..., surprised=True)`` (the caller
+saw the draft defy the estimate: the roofline passes a probe that kept every draft while
+speculation was off) restarts it the same way.
 
 Why (``python scripts/acceptance_estimate_sim.py``, 20 seeds): with a moving average per position
 alone, the expected accepted tokens at k = 8 were 17% off on average for a draft accepted with

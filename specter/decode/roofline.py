@@ -36,11 +36,12 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
   most 8 x ``probe_every``), back to ``probe_every`` when the choice changes, and two rounds
   after a probe whose first draft token was accepted (or rejected) against the odds, a probe
-  that kept every draft while speculation is off (so a draft that got good again is seen within
-  a few probes), or a round whose time was more than ``TIME_SURPRISE`` off its prediction (such a probe also makes the
-  acceptance estimate restart from its value, so the next observations move it fast; a round
-  more than ``CHANGE_FACTOR`` times off ages every other width's average by four half-lives, so its next
-  sample replaces most of it, and tries both neighbours of its k in the next rounds). The first
+  that kept every draft while speculation is off (it also makes the acceptance estimate restart
+  from its value, so the next observations move it fast and a draft that got good again is seen
+  within a few probes), or a round whose time was more than ``TIME_SURPRISE`` off its prediction
+  (a round more than ``CHANGE_FACTOR`` times off ages every other width's average by four
+  half-lives, so its next sample replaces most of it, and tries both neighbours of its k in the
+  next rounds). The first
   rounds visit k0, 0, 1 and 2 to calibrate, and so do the first rounds after ``link_changed()``
   (the engine moved to another link), which also counts as a change of conditions. A plain round
   right after a drafted one finds the draft's prefetches in the cache and would make k = 0 look
@@ -277,10 +278,10 @@ class RooflineGovernor(Governor):
 
     def _probe_k(self, k: int) -> int:
         """The k to try instead of ``k``: its neighbours above and below (k = 2 when speculation
-        is off: two draft positions observed per probe), and every third probe the k whose width was measured least recently (never
-        measured first, the nearest to ``k`` among equals) among those predicted within
-        ``FAR_PROBE_RANGE`` of the best rate, so that widths far from the current
-        choice are measured now and then rather than extrapolated."""
+        is off: two draft positions observed per probe), and every third probe the k whose width
+        was measured least recently (never measured first, the nearest to ``k`` among equals)
+        among those predicted within ``FAR_PROBE_RANGE`` of the best rate, so that widths far from
+        the current choice are measured now and then rather than extrapolated."""
         turn = self._probes % 3
         if turn == 0:
             rates = [row["predicted_tokens_per_s"] for row in self.table()]
@@ -306,15 +307,14 @@ class RooflineGovernor(Governor):
 
     def observe(self, drafted: int, accepted: int, **timings: float) -> None:
         self.rounds += 1
-        surprised = False
+        kept_all_while_off = False
         if self.history and self.history[-1]["probe"] and drafted and not self._calibration:
-            expected = self.position_acceptance(1)
-            if abs(min(accepted, 1) - expected) > SURPRISE:  # the draft behaves unlike its estimate
-                self._interval, self._next_probe = self.probe_every, self.rounds + 2
-            elif self._speculating is False and accepted == drafted:  # off, but every draft kept: look again soon
-                self._interval, self._next_probe = self.probe_every, self.rounds + 2
-                surprised = True
-        self.acceptance.observe(drafted, accepted, surprised)  # a defied estimate restarts
+            kept_all_while_off = self._speculating is False and accepted == drafted
+            if kept_all_while_off or abs(min(accepted, 1) - self.position_acceptance(1)) > SURPRISE:
+                self._interval, self._next_probe = self.probe_every, self.rounds + 2  # look again soon
+        # only a probe that kept every draft while speculation is off restarts the estimate (it
+        # argues for speculating again); a lone surprise is left to the estimate's own shift watch
+        self.acceptance.observe(drafted, accepted, kept_all_while_off)
         steps = int(timings.get("draft_steps", 0) or 0)
         if steps and "draft_s" in timings:
             self.draft_step.update(timings["draft_s"] / steps)
