@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from specter.memory.cache import ExpertCache, SlotState
 from specter.memory.link import Link, Tensors, Transfer
-from specter.policies import LRUPolicy
+from specter.policies import LookaheadPolicy, LRUPolicy
 from specter.policies.base import ExpertKey, Hint
 from specter.memory.scheduler import PrefetchScheduler
 from specter.memory.store import ExpertStore
@@ -221,6 +223,84 @@ def test_streaming_keeps_slots_for_the_current_layers_demand_loads() -> None:
     assert (cache.stats.misses, cache.stats.prefetch_wasted, scheduler.stats.streamed) == (4, 0, 0)
     scheduler.end_round(set())
     assert scheduler.stats.not_admitted == 4
+
+
+def verify_round(cache: ExpertCache, link: HeldLink, scheduler: PrefetchScheduler,
+                 experts_by_layer: dict[int, list[int]]) -> None:
+    """What verification does on a link fast enough that every copy lands before the next layer:
+    per MoE layer, ``advance``, then acquire and release the layer's experts."""
+    link.complete_all()
+    for layer, experts in experts_by_layer.items():
+        scheduler.advance(layer)
+        cache.acquire(layer, experts)
+        cache.release(layer, experts)
+        link.complete_all()
+
+
+def test_a_later_layers_cached_expert_yields_its_slot_to_an_earlier_layers_prediction() -> None:
+    """The round needs 6 experts, the cache holds 4, two of them the last layer's from the previous
+    round. Protecting those would leave layer 1's experts without a slot until verification got
+    there (two demand loads); in need order they are evicted for layer 1's and stream back while
+    layer 1 is verified."""
+    policy = LookaheadPolicy()
+    cache, link = make_cache(n_slots=4, policy=policy, layers=(0, 1, 2))
+    cache.preload([(2, 4), (2, 5), (0, 5), (1, 5)])
+    scheduler = PrefetchScheduler(cache, max_in_flight=8)
+    scheduler.begin_round()
+    scheduler.add(2, [4, 5], [0.9, 0.8])  # the draft's first position reaches the last layer first
+    scheduler.add(0, [0, 1], [0.9, 0.8])
+    scheduler.add(1, [2, 3], [0.7, 0.6])
+    assert cache.protected_keys() == frozenset({(0, 0), (0, 1), (1, 2), (1, 3)})
+    scheduler.flush()
+    assert submitted_keys(cache, link) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert not cache.contains((2, 4)) and not cache.contains((2, 5))
+    before = len(link.submitted)
+    verify_round(cache, link, scheduler, {0: [0, 1], 1: [2, 3], 2: [4, 5]})
+    assert submitted_keys(cache, link, before) == [(2, 4), (2, 5)]
+    assert (cache.stats.misses, cache.stats.hits) == (0, 6)
+    scheduler.end_round({(0, 0), (0, 1), (1, 2), (1, 3), (2, 4), (2, 5)})
+    assert (scheduler.stats.streamed, scheduler.stats.not_admitted) == (2, 0)
+
+
+def test_a_window_key_is_never_evicted_by_a_prefetch() -> None:
+    cache, link = make_cache(n_slots=3, policy=LookaheadPolicy(), layers=(0, 1, 2))
+    cache.preload([(1, 0), (2, 0), (2, 1)])
+    scheduler = PrefetchScheduler(cache, max_in_flight=8)
+    scheduler.begin_round()
+    scheduler.add(0, [3], [0.5])
+    scheduler.add(1, [0], [0.5])
+    scheduler.add(2, [0, 1], [0.9, 0.8])
+    scheduler.flush()  # (0, 3) takes the slot of (2, 1), the key needed last
+    assert cache.resident_keys() == [(0, 3), (1, 0), (2, 0)]
+    assert cache.protected_keys() == frozenset({(0, 3), (1, 0), (2, 0)})
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n_slots=st.integers(2, 8),
+    cached=st.lists(st.tuples(st.integers(0, 3), st.integers(0, N_EXPERTS - 1)), max_size=8),
+    picks=st.lists(st.lists(st.integers(0, N_EXPERTS - 1), min_size=1, max_size=4), min_size=4, max_size=4),
+    use_lookahead=st.booleans(),
+)
+def test_a_round_whose_adjacent_layers_fit_never_loads_on_demand(n_slots, cached, picks, use_lookahead) -> None:
+    """Property: when every two consecutive layers' predicted experts fit in the cache together and
+    each copy lands before the next draft or verification layer, verification never loads a predicted expert on demand,
+    whatever the cache held before and however large the round (streaming)."""
+    experts_by_layer = {layer: sorted(set(p))[: n_slots // 2] for layer, p in enumerate(picks)}
+    cache, link = make_cache(n_slots, policy=LookaheadPolicy() if use_lookahead else RecordingLRU(),
+                             layers=(0, 1, 2, 3))
+    cache.preload(list(dict.fromkeys(cached))[-n_slots:])
+    scheduler = PrefetchScheduler(cache, max_in_flight=2)
+    scheduler.begin_round()
+    for layer in reversed(range(4)):  # later layers first: the worst case for protection
+        scheduler.add(layer, experts_by_layer[layer], [0.5] * len(experts_by_layer[layer]))
+        scheduler.pump()
+        link.complete_all()
+    scheduler.flush()
+    verify_round(cache, link, scheduler, experts_by_layer)
+    scheduler.end_round({(layer, e) for layer, experts in experts_by_layer.items() for e in experts})
+    assert cache.stats.misses == 0
+    assert scheduler.stats.not_admitted == 0
 
 
 def test_advance_lifts_protection_of_verified_layers_only() -> None:
