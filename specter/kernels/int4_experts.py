@@ -14,8 +14,9 @@ Contract:
   (a draft step) runs its k experts directly, changing dtype once per layer
   (``forward_one_token``). Under torch.compile ``forward`` takes ``forward_static`` (no
   data-dependent Python, fixed shapes, ``fullgraph=True`` works), which picks by shape:
-  ``forward_gather`` (the chosen experts' packed weights gathered by index, a copy each; one
-  single-row matmul pair per (token, slot)) when T*k <= E, else ``forward_masked`` (every
+  ``forward_gather`` (one single-row matmul pair per (token, slot); on the cpu-int4pack backend
+  through the custom op ``specter::int4_rows``, which reads each chosen expert's packed weights
+  in place, elsewhere from a gathered copy of them) when T*k <= E, else ``forward_masked`` (every
   expert over all T tokens, weighted by its routing weight, 0 where not chosen). Measured on
   CPU, one thread, inductor: with T*k <= E gather was 1.1-5.6x faster than masked (tied for
   3.5 MB experts at T*k = E); with T*k > E (8 experts, top-2, T=8) masked was 1.05x (small
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from specter.kernels.int4 import Backend, Int4Weight, choose_backend, int4_matmul, quantize_int4
+from specter.kernels.int4_rows import int4_rows
 
 def _stacked_int4(
     weight: Tensor, transposed: bool, group_size: int, backend: Backend | None
@@ -186,11 +188,15 @@ class Int4Experts:
         return out.to(hidden.dtype)
 
     def forward_gather(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        """Static variant: the chosen experts' packed weights gathered by index (a copy each),
-        one single-row matmul pair per (token, slot)."""
+        """Static variant: one single-row matmul pair per (token, slot), the chosen experts'
+        packed weights read in place (``specter::int4_rows``) on the cpu-int4pack backend, else
+        gathered by index (a copy each). A compiled draft step on a CPU with the gathered copies
+        took 28 ms on the widened model against 9 ms in place (one thread)."""
         top_k = top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)  # [S]
         x = hidden.repeat_interleave(top_k, dim=0)  # [S, H]
+        if self.backend == "cpu-int4pack":
+            return self._rows_in_place(x, expert_ids, top_k_weights, hidden.dtype)
         up_packed, up_scales = self.up_packed[expert_ids], self.up_scales[expert_ids]  # [S, ...]
         down_packed, down_scales = self.down_packed[expert_ids], self.down_scales[expert_ids]  # [S, ...]
         up, down = self.up[0], self.down[0]
@@ -210,6 +216,20 @@ class Int4Experts:
         if self.down_bias is not None:
             y = y + self.down_bias[expert_ids].to(y.dtype)
         return self._combine(y, top_k_weights, hidden.dtype)
+
+
+    def _rows_in_place(self, x: Tensor, expert_ids: Tensor, top_k_weights: Tensor, dtype: torch.dtype) -> Tensor:
+        """``forward_gather`` on the CPU: the (token, slot) rows ``x [S, H]`` through their experts'
+        packed weights in place (``specter::int4_rows``, one opaque op per matrix, no copies)."""
+        up, down = self.up[0], self.down[0]
+        h = int4_rows(x, self.up_packed, self.up_scales, expert_ids, up.group_size, up.out_features)  # [S, 2I]
+        if self.up_bias is not None:
+            h = h + self.up_bias[expert_ids].to(h.dtype)
+        h = self._activate(h)  # [S, I]
+        y = int4_rows(h, self.down_packed, self.down_scales, expert_ids, down.group_size, down.out_features)  # [S, H]
+        if self.down_bias is not None:
+            y = y + self.down_bias[expert_ids].to(y.dtype)
+        return self._combine(y, top_k_weights, dtype)
 
 
 def quantize_model_experts(
