@@ -217,7 +217,6 @@ class Int4Experts:
             y = y + self.down_bias[expert_ids].to(y.dtype)
         return self._combine(y, top_k_weights, hidden.dtype)
 
-
     def _rows_in_place(self, x: Tensor, expert_ids: Tensor, top_k_weights: Tensor, dtype: torch.dtype) -> Tensor:
         """``forward_gather`` on the CPU: the (token, slot) rows ``x [S, H]`` through their experts'
         packed weights in place (``specter::int4_rows``, one opaque op per matrix, no copies)."""

@@ -1,14 +1,15 @@
 """``int4_rows``: every row of an activation through the INT4 weight of its own expert, one op.
 
 Contract: ``int4_rows(x [S, K], packed [E, ...], scales [E, ...], expert_ids [S], group_size,
-out_features) -> [S, out_features]`` in x's dtype, where row s equals
-``int4_matmul(x[s:s+1], packed[expert_ids[s]], scales[expert_ids[s]], "cpu-int4pack", ...)``: each
-expert's packed weights are read in place by PyTorch's int4pack kernel (no gathered copy), one
-call per row (a draft step's rows, one token's top-k, are distinct experts). It is the torch
-custom op ``specter::int4_rows`` with a fake implementation, so a ``fullgraph=True`` compiled
-graph calls it as one opaque node rather than gathering every chosen expert's weights into a
-copy (what ``Int4Experts.forward_gather`` does on other backends). CPU tensors only: the expert ids are read on the host, which on
-a CUDA device would synchronise the stream inside a graph.
+out_features) -> [S, out_features]`` in x's dtype, where row s equals ``int4_matmul`` of
+``x[s:s+1]`` with expert ``expert_ids[s]``'s packed weights and scales on the cpu-int4pack
+backend: each expert's packed weights are read in place by PyTorch's int4pack kernel (no
+gathered copy), one call per row (a draft step's rows, one token's top-k, are distinct experts).
+It is the torch custom op ``specter::int4_rows`` with a fake implementation, so a
+``fullgraph=True`` compiled graph calls it as one opaque node rather than gathering every chosen
+expert's weights into a copy (what ``Int4Experts.forward_gather`` does on other backends). CPU
+tensors only: the expert ids are read on the host, which on a CUDA device would synchronise the
+stream inside a graph.
 """
 
 from __future__ import annotations
