@@ -23,8 +23,8 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    from the disk before a device slot is free for it.
 ``end_round(used)`` compares what was predicted with what the target used, counts the
 predictions not in the cache when their layer was reached (``not_admitted``), then lifts the
-protection. The cache policy also receives the window's keys still ahead as hints, in need
-order.
+protection. The cache policy also receives the round's predictions still ahead (the window's
+and those after it) as hints, in need order.
 """
 
 from __future__ import annotations
@@ -62,14 +62,15 @@ class PrefetchScheduler:
         self.max_in_flight = max_in_flight
         self.stats = SchedulerStats()
         self._predicted: dict[ExpertKey, float] = {}
-        self._window: list[ExpertKey] = []
+        self._ahead: list[ExpertKey] = []  # predictions not yet verified, in need order
+        self._window: list[ExpertKey] = []  # the first ``capacity`` of them: the protected set
         self._active = False
         self._frontier = -1  # the MoE layer verification has reached this round
         self.issue_s = 0.0  # seconds spent issuing prefetches (a synchronous link copies here)
 
     def begin_round(self) -> None:
         self._predicted.clear()
-        self._window = []
+        self._ahead, self._window = [], []
         self._active = True
         self._frontier = -1
 
@@ -100,10 +101,11 @@ class PrefetchScheduler:
         return sorted(keys, key=lambda k: (k[0], -self._predicted.get(k, 0.0), k[1]))
 
     def _protect_window(self) -> None:
-        """Recompute the window (the first ``capacity`` predictions not yet verified, in need
-        order) and make it exactly the cache's protected set."""
-        ahead = [k for k in self.ordered(self._predicted) if k[0] >= self._frontier]
-        self._window = ahead[: self.cache.capacity]
+        """Recompute the predictions ahead and the window (the first ``capacity`` of them) after
+        a prediction or the frontier changed, and make the window exactly the cache's protected
+        set."""
+        self._ahead = [k for k in self.ordered(self._predicted) if k[0] >= self._frontier]
+        self._window = self._ahead[: self.cache.capacity]
         self.cache.unprotect_all()
         self.cache.protect(self._window)
 
@@ -111,11 +113,11 @@ class PrefetchScheduler:
         """Window keys of layers after the current one that are not in the cache, in need order."""
         return [k for k in self._window if k[0] > self._frontier and not self.cache.contains(k)]
 
-    def _issue(self, limit: int | None, reserve: int = 0) -> int:
-        """Issue the window's missing keys in need order, leaving ``reserve`` spare slots for
+    def _issue(self, missing: list[ExpertKey], limit: int | None, reserve: int = 0) -> int:
+        """Issue ``missing`` (``_missing()``) in need order, leaving ``reserve`` spare slots for
         demand loads; a key the cache cannot place now is retried at the next call."""
         issued = 0
-        for key in self._missing():
+        for key in missing:
             if limit is not None and self.cache.in_flight >= limit:
                 break
             if reserve and self.cache.spare_slots() <= reserve:
@@ -127,18 +129,20 @@ class PrefetchScheduler:
         return issued
 
     def _send_hints(self) -> None:
-        ahead = [k for k in self.ordered(self._predicted) if k[0] >= self._frontier]
-        call_plugin("cache_policy", self.cache.policy, "on_hints", [(key, self._predicted[key]) for key in ahead])
+        call_plugin("cache_policy", self.cache.policy, "on_hints",
+                    [(key, self._predicted[key]) for key in self._ahead])
 
     def pump(self) -> None:
-        if self._missing():
+        missing = self._missing()
+        if missing:
             self._send_hints()  # the policy judges this round's prefetches by this round's buffer
-            self.stats.issued_while_drafting += self._issue(self.max_in_flight)
+            self.stats.issued_while_drafting += self._issue(missing, self.max_in_flight)
 
     def flush(self) -> None:
         self._send_hints()
-        if self._missing():
-            self.stats.issued_at_flush += self._issue(None)
+        missing = self._missing()
+        if missing:
+            self.stats.issued_at_flush += self._issue(missing, None)
 
     def _count_late(self, up_to_layer: int | None) -> int:
         """Predictions of the layers after the frontier (up to ``up_to_layer``) not in the cache."""
@@ -155,9 +159,10 @@ class PrefetchScheduler:
         self.stats.not_admitted += too_late
         self._frontier = layer
         self._protect_window()
-        if self._missing():
+        missing = self._missing()
+        if missing:
             self._send_hints()
-            self.stats.streamed += self._issue(None, reserve=too_late)
+            self.stats.streamed += self._issue(missing, None, reserve=too_late)
 
     def end_round(self, used: set[ExpertKey]) -> None:
         predicted = set(self._predicted)
@@ -168,5 +173,5 @@ class PrefetchScheduler:
         self.stats.predicted_and_used += len(predicted & used)
         self.cache.unprotect_all()
         self._predicted.clear()
-        self._window = []
+        self._ahead, self._window = [], []
         self._active = False
