@@ -91,6 +91,18 @@ def submitted_keys(cache: ExpertCache, link: HeldLink, start: int = 0) -> list[E
     return [cache.key_in(slot) for slot in link.submitted[start:]]
 
 
+def verify_round(cache: ExpertCache, link: HeldLink, scheduler: PrefetchScheduler,
+                 experts_by_layer: dict[int, list[int]]) -> None:
+    """What verification does on a link fast enough that every copy lands before the next layer:
+    per MoE layer, ``advance``, then acquire and release the layer's experts."""
+    link.complete_all()
+    for layer, experts in experts_by_layer.items():
+        scheduler.advance(layer)
+        cache.acquire(layer, experts)
+        cache.release(layer, experts)
+        link.complete_all()
+
+
 def test_phase1_cached_predictions_are_protected_counted_and_not_fetched() -> None:
     cache, link = make_cache(n_slots=4)
     cache.preload([(0, 1)])
@@ -213,28 +225,11 @@ def test_streaming_keeps_slots_for_the_current_layers_demand_loads() -> None:
     for layer in (0, 1, 2):
         scheduler.add(layer, [2 * layer, 2 * layer + 1], [0.9, 0.8])
     scheduler.flush()
-    link.complete_all()
-    for layer in (0, 1, 2):
-        scheduler.advance(layer)
-        cache.acquire(layer, [2 * layer, 2 * layer + 1])
-        cache.release(layer, [2 * layer, 2 * layer + 1])
-        link.complete_all()
+    verify_round(cache, link, scheduler, {layer: [2 * layer, 2 * layer + 1] for layer in (0, 1, 2)})
     # no slot to spare: layers 1 and 2 load on demand, and no streamed prefetch is evicted unused
     assert (cache.stats.misses, cache.stats.prefetch_wasted, scheduler.stats.streamed) == (4, 0, 0)
     scheduler.end_round(set())
     assert scheduler.stats.not_admitted == 4
-
-
-def verify_round(cache: ExpertCache, link: HeldLink, scheduler: PrefetchScheduler,
-                 experts_by_layer: dict[int, list[int]]) -> None:
-    """What verification does on a link fast enough that every copy lands before the next layer:
-    per MoE layer, ``advance``, then acquire and release the layer's experts."""
-    link.complete_all()
-    for layer, experts in experts_by_layer.items():
-        scheduler.advance(layer)
-        cache.acquire(layer, experts)
-        cache.release(layer, experts)
-        link.complete_all()
 
 
 def test_a_later_layers_cached_expert_yields_its_slot_to_an_earlier_layers_prediction() -> None:
