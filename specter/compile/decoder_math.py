@@ -140,7 +140,11 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def route(arch: Arch, router: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-    logits = linear(x, router)  # [T, E]
+    return select_experts(arch, linear(x, router))
+
+
+def select_experts(arch: Arch, logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Router logits [T, E] -> (top_k_weights [T, k], top_k_index [T, k]), as the model's router."""
     probs = torch.softmax(logits.float(), dim=-1)
     top_k_weights, top_k_index = torch.topk(probs, arch.top_k, dim=-1)  # [T, k]
     if arch.renormalize:

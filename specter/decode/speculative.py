@@ -36,6 +36,7 @@ from specter.decode.kv import crop_to, synchronize
 from specter.decode.governor import check_next_k
 from specter.plugins import call_plugin
 from specter.kernels.int4_experts import Int4Experts
+from specter.decode.lean_draft import LeanDraftStep
 from specter.decode.sampling import logits_to_probs
 from specter.memory.scheduler import PrefetchScheduler
 
@@ -154,6 +155,7 @@ class SpecterEngine(PrefetchingEngine):
         self.plain_predictor = plain_predictor  # router-lookahead, from the registry
         self.plain_predictor.bind(self.scheduler, self.runtime.layers)
         self.runtime.observers.append(self._plain_observe)
+        self.lean_draft = LeanDraftStep.build(self.model, self.runtime)  # eager draft steps, where supported
 
     def _plain_observe(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
         # on a link that cannot overlap compute a prefetch is the same copy as a demand load, and a
@@ -172,7 +174,8 @@ class SpecterEngine(PrefetchingEngine):
         device_bytes["draft"] = self.draft_bytes
         device_bytes["total"] += self.draft_bytes
         report["draft"] = {"bits": 4, "group_size": next(iter(self.draft.values())).group_size,
-                           "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.routing_step}
+                           "backend": next(iter(self.draft.values())).backend, "lookahead_last": self.routing_step,
+                           "step": self.draft_step_kind}
         report["governor"] = call_plugin("governor", self.governor, "summary")
         return report
 
@@ -216,7 +219,7 @@ class SpecterEngine(PrefetchingEngine):
         with self.runtime.drafting():
             current = token
             for step in range(steps):
-                logits = self.forward_logits(torch.tensor([[current]], device=self.device), kv)[-1]
+                logits = self._draft_logits(current, kv)
                 if step == k:
                     break  # routing-only step over the last drafted token
                 if self.sampling.greedy:
@@ -227,6 +230,21 @@ class SpecterEngine(PrefetchingEngine):
                     probs.append(q)
                 drafted.append(current)
         return drafted, (torch.stack(probs) if probs else None)
+
+    def _draft_logits(self, token: int, kv) -> torch.Tensor:
+        """One draft step over ``token``: fp32 logits [V]. Compiled engines run their draft graph;
+        eager ones the lean step where the model allows (``specter.decode.lean_draft``), else the
+        model's own forward with the INT4 experts switched in."""
+        if self.compiled is None and self.lean_draft is not None:
+            return self.lean_draft.step(token, kv)
+        return self.forward_logits(torch.tensor([[token]], device=self.device), kv)[-1]
+
+    @property
+    def draft_step_kind(self) -> str:
+        """How draft steps run: ``compiled``, ``lean`` or ``model`` (see ``_draft_logits``)."""
+        if self.compiled is not None:
+            return "compiled"
+        return "lean" if self.lean_draft is not None else "model"
 
     def start_prompt(self) -> None:
         self.guarded(self.predictor.reset)

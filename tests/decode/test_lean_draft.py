@@ -1,0 +1,122 @@
+"""The lean draft step: the same logits, K/V and routing as the model's own forward with the INT4
+experts switched in, step after step; engines use it where the model allows and say which draft
+step they ran; elsewhere the model's forward drafts as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specter
+from specter.decode.kv import crop_to
+from specter.decode.lean_draft import unsupported_reason
+from specter.testing.zoo import save_random_checkpoint, tiny_config
+
+torch.set_num_threads(1)
+
+PROMPT = [1, 17, 93, 4, 250, 31, 8, 66, 140, 7]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lean")
+    paths = {arch: str(save_random_checkpoint(arch, root / arch, seed=1, layers=3))
+             for arch in ("mixtral", "qwen3_moe", "qwen2_moe")}
+    windowed = tiny_config("mixtral", layers=2, sliding_window=8)
+    paths["mixtral-window"] = str(save_random_checkpoint(windowed, root / "mixtral-window", seed=1))
+    return paths
+
+
+def build(path: str, **extra):
+    data = {"model": path, "engine": "specter", "threads": 1, "dtype": "float32", "max_new_tokens": 12,
+            "offload": {"link": {"kind": "local"}, "expert_budget": 0.5},
+            "speculation": {"governor": {"name": "fixed", "k": 3}}}
+    data.update(extra)
+    return specter.load(data)
+
+
+def routing_log(engine) -> list:
+    seen: list = []
+    engine.runtime.observers.append(
+        lambda layer, hidden, index, weights, mode: seen.append((layer, mode, hidden.clone(), index.clone(), weights.clone())))
+    return seen
+
+
+@pytest.mark.parametrize("arch", ("mixtral", "qwen3_moe"))
+def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, checkpoints):
+    engine = build(checkpoints[arch])
+    try:
+        assert engine.lean_draft is not None
+        seen = routing_log(engine)
+        caches = []
+        for use_lean in (False, True):
+            kv = engine.new_kv_cache()
+            with torch.inference_mode():
+                engine.forward_logits(torch.tensor([PROMPT]), kv)
+                start = len(seen)
+                logits = []
+                with engine.runtime.drafting():
+                    for token in (5, 77, 12, 200):  # successive steps: the K/V grows between them
+                        if use_lean:
+                            logits.append(engine.lean_draft.step(token, kv))
+                        else:
+                            logits.append(engine.forward_logits(torch.tensor([[token]]), kv)[-1])
+            caches.append((kv, torch.stack(logits), seen[start:]))
+        (kv_model, logits_model, routed_model), (kv_lean, logits_lean, routed_lean) = caches
+        torch.testing.assert_close(logits_lean, logits_model, rtol=1e-5, atol=1e-5)
+        assert kv_lean.get_seq_length() == kv_model.get_seq_length() == len(PROMPT) + 4
+        for lean_layer, model_layer in zip(kv_lean.layers, kv_model.layers):
+            torch.testing.assert_close(lean_layer.keys, model_layer.keys, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(lean_layer.values, model_layer.values, rtol=1e-5, atol=1e-6)
+        assert len(routed_lean) == len(routed_model) == 4 * engine.model.config.num_hidden_layers
+        for (layer, mode, hidden, index, weights), (layer2, mode2, hidden2, index2, weights2) in zip(routed_lean, routed_model):
+            assert (layer, mode) == (layer2, mode2) and mode == "draft"
+            assert torch.equal(index, index2)
+            torch.testing.assert_close(hidden, hidden2, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(weights, weights2, rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
+
+
+def test_a_cropped_cache_is_written_again_at_the_same_positions(checkpoints):
+    engine = build(checkpoints["mixtral"])
+    try:
+        kv = engine.new_kv_cache()
+        with torch.inference_mode(), engine.runtime.drafting():
+            engine.forward_logits(torch.tensor([PROMPT]), kv)
+            first = engine.lean_draft.step(42, kv)
+            engine.lean_draft.step(43, kv)
+            crop_to(kv, len(PROMPT))
+            again = engine.lean_draft.step(42, kv)
+        assert torch.equal(first, again)
+    finally:
+        engine.close()
+
+
+def test_engines_draft_with_the_lean_step_and_stay_lossless(checkpoints):
+    path = checkpoints["qwen3_moe"]
+    resident = specter.load({"model": path, "engine": "resident", "threads": 1, "dtype": "float32", "max_new_tokens": 12})
+    try:
+        expected = resident.generate([PROMPT]).token_ids
+    finally:
+        resident.close()
+    engine = build(path)
+    try:
+        result = engine.generate([PROMPT])
+    finally:
+        engine.close()
+    assert result.token_ids == expected
+    assert result.report["draft"]["step"] == "lean"
+    assert result.report["phases"]["draft_steps"] > 0
+
+
+@pytest.mark.parametrize("name, reason", [("qwen2_moe", "model type 'qwen2_moe'"),
+                                          ("mixtral-window", "sliding attention window")])
+def test_other_models_draft_through_their_own_forward(name, reason, checkpoints):
+    engine = build(checkpoints[name])
+    try:
+        assert engine.lean_draft is None
+        assert reason in unsupported_reason(engine.model, engine.runtime)
+        assert engine.generate([PROMPT]).report["draft"]["step"] == "model"
+    finally:
+        engine.close()
