@@ -5,9 +5,11 @@ model, whose difference from the target's experts is the part draft and target s
 Run: python scripts/draft_step_parts.py [RECIPE] [--set key=value ...]
      (default: recipes/specter.yaml with model=bundled:tiny-moe-x16; one thread)
 Each figure is the median of 7 x 20 calls, one token, random top-k routing per layer. CPU only
-(the resident copy is loaded on the CPU). The last line is the draft step's floor as a fraction
-of a target step with these kernels: the INT4 matmuls alone (bf16 in and out, no other op) plus
-the part of a step draft and target share (attention, norms, router, LM head).
+(the resident copy is loaded on the CPU). Then the draft step's floor as a fraction of a target
+step with these kernels: the INT4 matmuls alone (bf16 in and out, no other op) plus the part of a
+step draft and target share (attention, norms, router, LM head); last, an engine's whole draft
+step (every expert cached, nothing copied) through the model's forward and, where the model
+allows, through the lean step the eager engines use (``specter.decode.lean_draft``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
 from specter.api import load
+from specter.decode.kv import crop_to
 from specter.experts.runtime import use_grouped_kernel
 from specter.kernels.grouped_experts import grouped_experts
 from specter.model.layout import moe_layers
@@ -43,7 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     overrides = args.overrides if args.overrides is not None else ["model=bundled:tiny-moe-x16"]
-    engine = load(args.recipe, [*overrides, "engine=specter", "offload.link.kind=local"])
+    # every expert cached: a draft step below copies nothing
+    engine = load(args.recipe, [*overrides, "engine=specter", "offload.link.kind=local", "offload.expert_budget=1.0"])
     model, _, _ = load_model(engine.model_path, dtype=engine.model.dtype, device=torch.device("cpu"))
     use_grouped_kernel(model)
     layers = moe_layers(model)
@@ -74,9 +79,25 @@ def main() -> None:
     def forward() -> None:
         model(input_ids=torch.tensor([[5]]), cache=DynamicCache(), use_cache=True)
 
-    with torch.no_grad():
+    kv = engine.new_kv_cache()
+    prompt = torch.tensor([[1, 5, 9, 200, 31, 17, 8, 99]])
+
+    def engine_draft_step(lean: bool) -> Callable[[], None]:
+        def step() -> None:
+            with engine.runtime.drafting():
+                if lean:
+                    engine.lean_draft.step(42, kv)
+                else:
+                    engine.forward_logits(torch.tensor([[42]]), kv)
+            crop_to(kv, prompt.shape[1])
+        return step
+
+    with torch.inference_mode():
+        engine.forward_logits(prompt, kv)
         draft, target, whole = median_ms(draft_experts), median_ms(target_experts), median_ms(forward)
         matmuls = median_ms(draft_matmuls)
+        through_model = median_ms(engine_draft_step(lean=False))
+        lean = median_ms(engine_draft_step(lean=True)) if engine.lean_draft is not None else None
     shared = whole - target
     print(f"draft INT4 experts, all layers   {draft:6.2f} ms")
     print(f"target experts, all layers       {target:6.2f} ms")
@@ -84,6 +105,9 @@ def main() -> None:
     print(f"  of which the INT4 matmuls alone {matmuls:6.2f} ms")
     print(f"draft / target: experts alone {draft / target:.2f}, with the shared part {(draft + shared) / whole:.2f}")
     print(f"floor with these kernels (INT4 matmuls + shared part, nothing else): {(matmuls + shared) / whole:.2f}")
+    print(f"an engine's draft step through the model's forward {through_model:6.2f} ms ({through_model / whole:.2f} of the forward)")
+    if lean is not None:
+        print(f"an engine's lean draft step                        {lean:6.2f} ms ({lean / whole:.2f} of the forward)")
     engine.close()
 
 
