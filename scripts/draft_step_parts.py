@@ -9,7 +9,7 @@ Each figure is the median of 7 x 20 calls, one token, random top-k routing per l
 step with these kernels: the INT4 matmuls alone (bf16 in and out, no other op) plus the part of a
 step draft and target share (attention, norms, router, LM head); last, an engine's whole draft
 step (every expert cached, nothing copied) through the model's forward and, where the model
-allows, through the lean step the eager engines use (``specter.decode.lean_draft``).
+allows, through the lean step the eager engines use (``specter.compile.lean_draft``).
 """
 
 from __future__ import annotations

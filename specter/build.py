@@ -6,7 +6,8 @@ checkpoint and the tokenizer, and asks the plugin registry for the recipe's engi
 each built on first request (the dense model on the device, the offloaded model with its host
 store, the cache policy, the link and the expert cache sized by ``offload.expert_budget``, the
 predictor and the governor). With ``compile: true`` the engine gets its compiled steps here, so
-decode timings exclude compilation. Nothing below this module imports it; entry points
+decode timings exclude compilation; without, a ``specter`` engine gets its lean eager draft step
+where the model allows (``specter.compile.lean_draft``). Nothing below this module imports it; entry points
 (``specter.api``, the CLIs) call it.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specter.compile.lean_draft import use_lean_draft
 from specter.decode.engine import Engine
 from specter.errors import SpecterError
 from specter.model.loader import DTYPES, checkpoint_dir, load_model, load_tokenizer
@@ -164,4 +166,6 @@ def build_engine(recipe) -> Engine:
         from specter.compile.decoder import compile_engine
 
         compile_engine(engine)
+    else:
+        use_lean_draft(engine)
     return engine

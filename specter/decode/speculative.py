@@ -36,7 +36,6 @@ from specter.decode.kv import crop_to, synchronize
 from specter.decode.governor import check_next_k
 from specter.plugins import call_plugin
 from specter.kernels.int4_experts import Int4Experts
-from specter.decode.lean_draft import LeanDraftStep
 from specter.decode.sampling import logits_to_probs
 from specter.memory.scheduler import PrefetchScheduler
 
@@ -142,6 +141,7 @@ class RouterLookaheadEngine(PrefetchingEngine):
 
 class SpecterEngine(PrefetchingEngine):
     name = "specter"
+    lean_draft = None  # a specter.compile.lean_draft.LeanDraftStep, set by the composition root where the model allows
 
     def __init__(self, *args, draft: dict[int, Int4Experts], governor, plain_predictor,
                  lookahead_last: bool = True, **kwargs) -> None:
@@ -155,7 +155,6 @@ class SpecterEngine(PrefetchingEngine):
         self.plain_predictor = plain_predictor  # router-lookahead, from the registry
         self.plain_predictor.bind(self.scheduler, self.runtime.layers)
         self.runtime.observers.append(self._plain_observe)
-        self.lean_draft = LeanDraftStep.build(self.model, self.runtime)  # eager draft steps, where supported
 
     def _plain_observe(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
         # on a link that cannot overlap compute a prefetch is the same copy as a demand load, and a
@@ -233,7 +232,7 @@ class SpecterEngine(PrefetchingEngine):
 
     def _draft_logits(self, token: int, kv) -> torch.Tensor:
         """One draft step over ``token``: fp32 logits [V]. Compiled engines run their draft graph;
-        eager ones the lean step where the model allows (``specter.decode.lean_draft``), else the
+        eager ones the lean step where the model allows (``specter.compile.lean_draft``), else the
         model's own forward with the INT4 experts switched in."""
         if self.compiled is None and self.lean_draft is not None:
             return self.lean_draft.step(token, kv)

@@ -9,7 +9,7 @@ import torch
 
 import specter
 from specter.decode.kv import crop_to
-from specter.decode.lean_draft import unsupported_reason
+from specter.compile.lean_draft import unsupported_reason
 from specter.testing.zoo import save_random_checkpoint, tiny_config
 
 torch.set_num_threads(1)

@@ -1,6 +1,8 @@
 """The draft's one-token step written over the model's weights, for eager speculative rounds.
 
-Contract: ``LeanDraftStep.build(model, runtime)`` returns a step for models whose decoder
+Contract: ``use_lean_draft(engine)`` gives an eager ``specter`` engine a lean step where its model
+allows (the composition root calls it; compiled engines run their own draft graph) and returns
+whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models whose decoder
 ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE without dense layers) with no
 sliding window, every decoder layer served by ``runtime``; otherwise None, and
 ``unsupported_reason(model, runtime)`` says why. ``step(token, kv)`` runs one token id through
@@ -11,8 +13,8 @@ as from the model's forward) and returns fp32 logits [V].
 
 Why: a draft step through transformers' modules spends most of its non-expert time dispatching
 modules, building masks and position ids for one token; this step does only the tensor math.
-On the widened model (one thread) a draft step took 12.0-13.6 ms through the model's modules
-and 9.5 ms here, the same logits (the one-off measurement is described in docs/benchmarks.md).
+On the widened model (one thread, ``python scripts/draft_step_parts.py``, two runs) an engine's
+draft step took 13.1-13.9 ms through the model's forward and 10.6-11.6 ms here, same logits.
 Only the draft runs it: its tokens are proposals the target verifies, so a rounding
 difference could cost acceptance but never change an emitted token; verification always runs
 the model's own forward.
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specter.compile.decoder_math import (
-    arch_of, layer_weights_of, rms_norm, rope_tables, rotate, select_experts, unsupported_reason as decoder_unsupported,
+    arch_of, layer_weights_of, rms_norm, rope_tables, rotate, select_experts,
+    unsupported_reason as decoder_unsupported,
 )
 
 
@@ -88,3 +91,11 @@ class LeanDraftStep:
             top_k_weights, top_k_index = select_experts(arch, F.linear(x, w.router))  # [1, k]
             h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
         return F.linear(rms_norm(h, self.final_norm, arch.eps), self.lm_head, self.lm_head_bias)[0].float()
+
+
+def use_lean_draft(engine) -> bool:
+    """Set ``engine.lean_draft`` where the engine drafts (``specter``) and its model allows."""
+    if not hasattr(engine, "lean_draft") or engine.compiled is not None:
+        return False
+    engine.lean_draft = LeanDraftStep.build(engine.model, engine.runtime)
+    return engine.lean_draft is not None
