@@ -28,7 +28,8 @@ Contract:
     any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
     (for predictors that must act between layers, e.g. router lookahead). For cache target
     steps, and for draft steps (fused INT4 gather against compiled attention + the eager grouped
-    INT4 experts), a ``PathChooser`` measures both paths and takes the faster one.
+    INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft steps
+    between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path, judged by the caller.
 - After a fused step the host replays, per layer in order, what the eager path does inside the
   step: the runtime's observers get (layer, expert input, top_k_index, top_k_weights, mode) and,
   for a cache target step, ``cache.acquire`` + ``release`` of the layer's experts keep the cache
@@ -177,6 +178,13 @@ class CompiledDecoder:
             _mark_static(t for d in self._draft_experts.draft
                          for t in (d.up_packed, d.up_scales, d.down_packed, d.down_scales))
 
+    def begin_draft_round(self) -> None:
+        """Hold one draft path until ``end_draft_round(seconds_per_step)`` judges it."""
+        self.chooser.begin_round(DRAFT_KEY)
+
+    def end_draft_round(self, seconds_per_step: float) -> None:
+        self.chooser.end_round(DRAFT_KEY, seconds_per_step)
+
     def forward_logits(self, input_ids: Tensor, kv: StaticKV) -> Tensor:
         """Run over ``input_ids`` [1, T] appending to ``kv``; fp32 logits [T, V]."""
         tokens = input_ids.reshape(-1)  # [T]
@@ -257,9 +265,13 @@ class CompiledDecoder:
             self._replay(out, "draft")
             return out.logits
 
-        # layered: compiled attention, the INT4 experts eagerly (grouped, no weight copies)
-        return self._run_chosen(DRAFT_KEY, fused, lambda: self._layered_logits(
-            tokens, positions, kv_index, kv, host=self.host_experts))
+        def layered() -> Tensor:  # compiled attention, the INT4 experts eagerly, observers per layer
+            return self._layered_logits(tokens, positions, kv_index, kv, host=self.host_experts)
+
+        held = self.chooser.held(DRAFT_KEY)  # a round's path, judged by the engine (begin_draft_round)
+        if held is not None:
+            return layered() if held == "layered" else fused()
+        return self._run_chosen(DRAFT_KEY, fused, layered)
 
     def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor]) -> Tensor:
         """Run the path the chooser picks for ``key`` and tell it how long the step took."""

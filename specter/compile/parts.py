@@ -72,7 +72,10 @@ class PathChooser:
     overlaps transfers with earlier layers and reads each distinct expert once; which wins
     depends on the cache, the link and the expert size. Each width tries both paths ``TRIALS``
     times, then takes the lower moving average, trying the other path again every ``RECHECK``
-    steps of that width."""
+    steps of that width. ``begin_round(key)`` instead holds one choice for every step of ``key``
+    until ``end_round(key, seconds_per_step)``, which judges it by a cost the caller measured over
+    the round (the speculative engine's draft steps: their time plus the transfer wait they left
+    to verification, as a fused draft step hands its predictions to the scheduler only at its end)."""
 
     TRIALS, RECHECK, WEIGHT = 2, 32, 0.2
 
@@ -80,6 +83,19 @@ class PathChooser:
         self.seconds: dict[tuple[int, str], float] = {}
         self.counts: dict[tuple[int, str], int] = {}
         self.steps: dict[int, int] = {}
+        self._held: dict[int, str] = {}
+
+    def begin_round(self, key: int) -> None:
+        self._held[key] = self.choose(key)
+
+    def held(self, key: int) -> str | None:
+        """The path held for ``key`` by ``begin_round`` (None outside a round)."""
+        return self._held.get(key)
+
+    def end_round(self, key: int, seconds_per_step: float) -> None:
+        path = self._held.pop(key, None)
+        if path is not None:
+            self.observe(key, path, seconds_per_step)
 
     def choose(self, width: int) -> str:
         step = self.steps[width] = self.steps.get(width, 0) + 1

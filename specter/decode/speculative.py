@@ -257,6 +257,9 @@ class SpecterEngine(PrefetchingEngine):
         self._plain_round = k == 0
         self.begin_round()
         issue_before = self.scheduler.issue_s
+        judged = self.compiled is not None and k > 0 and not self.predictor.drafts_tokens
+        if judged:
+            self.compiled.begin_draft_round()
         drafted, draft_probs = self._draft_tokens(token, k, kv, generator, context)
         draft_issue_s = self.scheduler.issue_s - issue_before
         k = len(drafted)
@@ -291,6 +294,10 @@ class SpecterEngine(PrefetchingEngine):
                        experts_read=experts_read, draft_issue_s=draft_issue_s,
                        verify_io_wait_s=self.cache.stats.transfer_wait_s - wait_before)
         timings["host_s"] = total - timings["draft_s"] - timings["flush_s"] - timings["verify_s"]
+        if judged and timings["draft_steps"]:
+            # a compiled draft path is judged by the round: a fused step hands the scheduler its
+            # predictions only at its end, and copies started late are waited for in verification
+            self.compiled.end_draft_round((timings["draft_s"] + timings["verify_io_wait_s"]) / timings["draft_steps"])
         metrics.observe_round(total_s=total, verify_tokens=k + 1, **timings)
         metrics.observe_draft(k, result.accepted)
         call_plugin("governor", self.governor, "observe", drafted=k, accepted=result.accepted, round_s=total, **timings)

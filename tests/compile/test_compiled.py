@@ -110,6 +110,9 @@ def test_no_recompilation_after_warm_up(checkpoint):
     assert [o["token_ids"] for o in report["outputs"]] == expected
     assert set(report["k"]["histogram"]) >= {"1", "3", "16", "12"}
     assert decoder.stats.draft_steps > 0 and decoder.stats.fused_steps > 0
+    assert report["draft"]["step"] == "compiled"  # built eager (with a lean draft step), then compiled
+    drafting_rounds = sum(n for k, n in report["k"]["histogram"].items() if int(k))
+    assert sum(decoder.chooser.counts.get((0, path), 0) for path in ("fused", "layered")) == drafting_rounds  # judged per round
     assert report["cache"]["decode"]["evictions"] > 0  # the slot table changed under the graphs
     assert sum(counters["graph_break"].values()) == 0
     engine.close()

@@ -1,0 +1,41 @@
+"""The path chooser: per-step choice by measured step time, and per-round choice judged by a cost
+the caller measures over the round (the speculative engine's draft steps)."""
+
+from __future__ import annotations
+
+from specter.compile.parts import PathChooser
+
+
+def test_steps_take_the_path_with_the_lower_measured_time_after_trying_both():
+    chooser = PathChooser()
+    seconds = {"fused": 0.010, "layered": 0.013}
+    for _ in range(2 * PathChooser.TRIALS):
+        path = chooser.choose(0)
+        chooser.observe(0, path, seconds[path])
+    assert chooser.counts[(0, "fused")] == chooser.counts[(0, "layered")] == PathChooser.TRIALS
+    assert chooser.choose(0) == "fused"
+
+
+def test_a_round_holds_one_path_and_is_judged_by_the_callers_cost():
+    # fused draft steps are faster, but the transfers their late predictions leave behind make
+    # the rounds dearer: judged per round, layered wins
+    chooser = PathChooser()
+    round_cost = {"fused": 0.009 + 0.006, "layered": 0.013 + 0.0}
+    chosen = []
+    for _ in range(2 * PathChooser.TRIALS + 3):
+        chooser.begin_round(0)
+        path = chooser.held(0)
+        for _ in range(3):  # the round's draft steps see the held path
+            assert chooser.held(0) == path
+        chooser.end_round(0, round_cost[path])
+        chosen.append(path)
+        assert chooser.held(0) is None
+    assert sorted(chosen[: 2 * PathChooser.TRIALS]) == ["fused"] * PathChooser.TRIALS + ["layered"] * PathChooser.TRIALS
+    assert chosen[2 * PathChooser.TRIALS:] == ["layered"] * 3
+    assert chooser.counts[(0, "fused")] == PathChooser.TRIALS  # one observation per round, not per step
+
+
+def test_ending_a_round_that_was_never_begun_observes_nothing():
+    chooser = PathChooser()
+    chooser.end_round(0, 1.0)
+    assert chooser.counts == {} and chooser.held(0) is None
