@@ -129,6 +129,7 @@ def test_specter_with_ngram_drafting_is_lossless_and_drafts(checkpoint):
     histogram = report["k"]["histogram"]
     assert sum(int(k) * n for k, n in histogram.items()) > 0
     assert report["prediction"]["predictor"] == "ngram"
+    assert report["draft"]["step"] == "predictor"  # the n-gram proposes the tokens, no draft step runs
     assert report["prediction"]["recall"] > 0  # replayed routing found experts the target used
     # positions stayed aligned with the KV cache through rounds and rollbacks: the memory equals the
     # routing of one teacher-forced pass over the last prompt's sequence (all but the last token)
