@@ -1,2 +1,3 @@
 """torch.compile'd decoding steps: static KV buffers, experts read through the cache's device slot
-table (``decoder``), over the model math of ``decoder_math``."""
+table (``decoder``), over the model math of ``decoder_math``; the same math runs the eager draft's
+one-token step (``lean_draft``)."""
