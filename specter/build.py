@@ -163,7 +163,7 @@ def build_engine(recipe) -> Engine:
     parts = EngineParts(recipe)
     engine = registry().create("engine", recipe.engine, {}, key="engine", expect=Engine, recipe=recipe, parts=parts)
     if recipe.compile:
-        from specter.compile.decoder import compile_engine
+        from specter.compile.attach import compile_engine
 
         compile_engine(engine)
     else:

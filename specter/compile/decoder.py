@@ -42,9 +42,7 @@ Contract:
 - ``warm_up(max_verify_tokens, draft)`` compiles every graph on scratch inputs (no observer, cache
   or counter is touched); ``stats`` holds its seconds, steps per path, fused-step misses, and
   the graphs compiled after warm-up (``late_graphs``, from dynamo's counters).
-- ``compile_engine(engine, max_k=None)`` builds the decoder an engine needs (resident, ondemand,
-  router-lookahead, specter; others raise ``SpecterError``), warms it up and sets
-  ``engine.compiled``; ``Engine.forward_logits`` / ``new_kv_cache`` then route through it.
+- ``specter.compile.attach.compile_engine(engine)`` gives an engine its warmed-up decoder.
 On CUDA the fused graphs use CUDA graphs (inductor's ``triton.cudagraphs``); that path is
 written for, not yet run on, a GPU.
 """
@@ -386,28 +384,3 @@ class CompiledDecoder:
     def _draft_graph(self, tokens, positions, kv_index, keys, values) -> StepOutput:
         return self._fused(self._draft_experts, tokens, positions, kv_index, keys, values)
 
-
-def compile_engine(engine, max_k: int | None = None) -> CompiledDecoder:
-    """Give ``engine`` (resident, ondemand, router-lookahead or specter) a warmed-up
-    ``CompiledDecoder`` as ``engine.compiled``. ``max_k``: the most draft tokens a round may
-    verify (default: the fixed governor's k, else ``MAX_K``)."""
-    from specter.config.recipe import MAX_K
-
-    if not engine.compilable:
-        raise SpecterError(f"compile: true is not available for engine {engine.name!r}; set compile: false")
-    runtime = getattr(engine, "runtime", None)
-    decoder = CompiledDecoder(
-        engine.model,
-        experts="resident" if runtime is None else "cache",
-        runtime=runtime,
-        layered=engine.name == "router-lookahead",  # its predictor acts between layers
-    )
-    draft = getattr(engine, "draft", None)
-    if draft:
-        decoder.set_draft(draft)
-        if max_k is None:
-            governor = getattr(engine, "governor", None)
-            max_k = getattr(governor, "k_max", MAX_K)
-    decoder.warm_up(max_verify_tokens=(max_k or 0) + 1, draft=bool(draft))
-    engine.compiled = decoder
-    return decoder

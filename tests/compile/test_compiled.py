@@ -15,7 +15,8 @@ from torch._dynamo.utils import counters
 
 import specter
 from specter.decode.governor import Governor
-from specter.compile.decoder import CompiledDecoder, StaticKV, compile_engine, unsupported_reason
+from specter.compile.attach import compile_engine
+from specter.compile.decoder import CompiledDecoder, StaticKV, unsupported_reason
 from specter.errors import SpecterError
 from specter.kernels.slot_experts import gather_experts, slots_for
 from specter.testing.zoo import random_model, save_random_checkpoint

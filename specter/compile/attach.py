@@ -1,0 +1,37 @@
+"""Giving an engine its compiled steps.
+
+Contract: ``compile_engine(engine, max_k=None)`` builds the ``CompiledDecoder`` an engine needs
+(resident, ondemand, router-lookahead, specter; others raise ``SpecterError``), warms it up and
+sets ``engine.compiled``; ``Engine.forward_logits`` / ``new_kv_cache`` then route through it.
+``max_k``: the most draft tokens a round may verify (default: the governor's ``k_max``, else
+``MAX_K``).
+"""
+
+from __future__ import annotations
+
+from specter.compile.decoder import CompiledDecoder
+from specter.errors import SpecterError
+
+
+def compile_engine(engine, max_k: int | None = None) -> CompiledDecoder:
+    """``engine.compiled`` = a warmed-up ``CompiledDecoder`` (see the module docstring)."""
+    from specter.config.recipe import MAX_K
+
+    if not engine.compilable:
+        raise SpecterError(f"compile: true is not available for engine {engine.name!r}; set compile: false")
+    runtime = getattr(engine, "runtime", None)
+    decoder = CompiledDecoder(
+        engine.model,
+        experts="resident" if runtime is None else "cache",
+        runtime=runtime,
+        layered=engine.name == "router-lookahead",  # its predictor acts between layers
+    )
+    draft = getattr(engine, "draft", None)
+    if draft:
+        decoder.set_draft(draft)
+        if max_k is None:
+            governor = getattr(engine, "governor", None)
+            max_k = getattr(governor, "k_max", MAX_K)
+    decoder.warm_up(max_verify_tokens=(max_k or 0) + 1, draft=bool(draft))
+    engine.compiled = decoder
+    return decoder
