@@ -12,6 +12,7 @@ layer up to its experts. Shapes are given as ``# [T, H]`` comments (T tokens of 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +155,22 @@ def select_experts(arch: Arch, logits: Tensor) -> tuple[Tensor, Tensor]:
     return top_k_weights, top_k_index
 
 
+def queries_keys_values(
+    arch: Arch, w: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor, project: Callable = linear,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's normed input ``x [T, H]`` -> q [T, nH, d], k and v [T, nKV, d], q and k
+    per-head normed (where the model has it) and rotated. ``project``: the matmul (``linear``
+    in compiled graphs, ``F.linear`` eagerly)."""
+    num_tokens = x.shape[0]
+    q = project(x, w.q, w.q_bias).view(num_tokens, arch.n_heads, arch.head_dim)
+    k = project(x, w.k, w.k_bias).view(num_tokens, arch.n_kv_heads, arch.head_dim)
+    v = project(x, w.v, w.v_bias).view(num_tokens, arch.n_kv_heads, arch.head_dim)
+    if w.q_norm is not None:
+        q = rms_norm(q, w.q_norm, arch.eps)
+        k = rms_norm(k, w.k_norm, arch.eps)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
 def attention_and_route(
     arch: Arch, w: LayerWeights, keys: Tensor, values: Tensor, h: Tensor, cos: Tensor, sin: Tensor,
     positions: Tensor, kv_index: Tensor,
@@ -161,14 +178,7 @@ def attention_and_route(
     """One decoder layer up to its experts: (h after attention [T, H], expert input [T, H],
     top_k_weights [T, k], top_k_index [T, k]); writes the layer's K/V at ``positions``."""
     num_tokens = h.shape[0]
-    x = rms_norm(h, w.input_norm, arch.eps)  # [T, H]
-    q = linear(x, w.q, w.q_bias).view(num_tokens, arch.n_heads, arch.head_dim)  # [T, nH, d]
-    k = linear(x, w.k, w.k_bias).view(num_tokens, arch.n_kv_heads, arch.head_dim)  # [T, nKV, d]
-    v = linear(x, w.v, w.v_bias).view(num_tokens, arch.n_kv_heads, arch.head_dim)  # [T, nKV, d]
-    if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, arch.eps)
-        k = rms_norm(k, w.k_norm, arch.eps)
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    q, k, v = queries_keys_values(arch, w, rms_norm(h, w.input_norm, arch.eps), cos, sin)
     keys[:, :, positions] = k.transpose(0, 1)[None]  # [1, nKV, T, d] into [1, nKV, L, d], in place
     values[:, :, positions] = v.transpose(0, 1)[None]
     span = kv_index.shape[0]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specter.compile.decoder_math import (
-    arch_of, layer_weights_of, rms_norm, rope_tables, rotate, select_experts,
+    arch_of, layer_weights_of, queries_keys_values, rms_norm, rope_tables, select_experts,
     unsupported_reason as decoder_unsupported,
 )
 
@@ -74,13 +74,7 @@ class LeanDraftStep:
         cos, sin = self._rope(kv.get_seq_length())
         h = self.embed[token][None]  # [1, H]
         for layer, w in enumerate(self.weights):
-            x = rms_norm(h, w.input_norm, arch.eps)  # [1, H]
-            q = F.linear(x, w.q, w.q_bias).view(1, arch.n_heads, arch.head_dim)  # [1, nH, d]
-            k = F.linear(x, w.k, w.k_bias).view(1, arch.n_kv_heads, arch.head_dim)  # [1, nKV, d]
-            v = F.linear(x, w.v, w.v_bias).view(1, arch.n_kv_heads, arch.head_dim)
-            if w.q_norm is not None:
-                q, k = rms_norm(q, w.q_norm, arch.eps), rms_norm(k, w.k_norm, arch.eps)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q, k, v = queries_keys_values(arch, w, rms_norm(h, w.input_norm, arch.eps), cos, sin, F.linear)
             keys, values = kv.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # [1, nKV, L, d]
             attended = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys, values, scale=arch.scaling,

@@ -261,7 +261,7 @@ class SpecterEngine(PrefetchingEngine):
         self._plain_round = k == 0
         self.begin_round()
         issue_before = self.scheduler.issue_s
-        judged = self.compiled is not None and k > 0 and not self.predictor.drafts_tokens
+        judged = k > 0 and self.draft_step_kind == "compiled"
         if judged:
             self.compiled.begin_draft_round()
         drafted, draft_probs = self._draft_tokens(token, k, kv, generator, context)
