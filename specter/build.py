@@ -7,8 +7,8 @@ each built on first request (the dense model on the device, the offloaded model 
 store, the cache policy, the link and the expert cache sized by ``offload.expert_budget``, the
 predictor and the governor). With ``compile: true`` the engine gets its compiled steps here, so
 decode timings exclude compilation; without, a ``specter`` engine gets its lean eager draft step
-where the model allows (``specter.compile.lean_draft``). Nothing below this module imports it; entry points
-(``specter.api``, the CLIs) call it.
+where the model allows (``specter.compile.lean_draft``). Nothing below this module imports it;
+entry points (``specter.api``, the CLIs) call it.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 Contract of one ``specter`` round (batch 1, one shared ``DynamicCache``):
 1. The governor picks k (k = 0: a plain decoding round, one target step with router-lookahead
    prefetch, as the ``router-lookahead`` engine does; without prefetch, as ``ondemand``, on a
-   link that does not overlap compute). The draft — the same model with its routed experts switched to the
-   resident INT4 copies; attention, norms, routers, embeddings and KV cache are the target's own;
-   eagerly, a lean one-token step over the same weights where the model allows
+   link that does not overlap compute). The draft — the same model with its routed experts
+   switched to the resident INT4 copies; attention, norms, routers, embeddings and KV cache are
+   the target's own; eagerly, a lean one-token step over the same weights where the model allows
    (``specter.compile.lean_draft``, given by the composition root) — runs k steps from the last
-   emitted token, appending temporary KV entries. Its routing at every (position, layer) fills the scheduler's lookahead buffer and prefetches start at once.
+   emitted token, appending temporary KV entries. Its routing at every (position, layer) fills
+   the scheduler's lookahead buffer and prefetches start at once.
    With ``lookahead_last`` one more draft step runs over the k-th drafted token for its routing
    only, so every one of the k+1 verified positions has a prediction; engines skip it on a
    link that does not overlap compute (``Link.overlaps_compute``, e.g. ``local``), where a
