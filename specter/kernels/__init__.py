@@ -1,5 +1,6 @@
-"""Expert kernels. ``int4``: symmetric group-wise INT4 weight-only linear (PyTorch's int4pack
-kernels on CPU and CUDA, a dequantizing reference elsewhere). ``int4_experts``: INT4 copies of a
+"""Expert kernels. ``int4``: symmetric group-wise INT4 weight-only linear (Specter's own CPU
+kernel, ``int4_native``, where it builds; PyTorch's int4pack kernels on CPU and CUDA; a
+dequantizing reference elsewhere). ``int4_experts``: INT4 copies of a
 transformers MoE layer's routed experts, the resident draft. ``int4_rows``: the custom op that
 runs rows through their own experts' INT4 weights in place (compiled draft steps on a CPU).
 ``grouped_experts``: a layer's chosen full-precision experts in one grouped pass over stacked

@@ -16,12 +16,16 @@ Contract:
   {32, 64, 128, 256});
   ``"cuda-int4pack"``: PyTorch's tinygemm ``aten._convert_weight_to_int4pack`` /
   ``aten._weight_int4pack_mm`` (sm80+, same N and group rules, K % 32 == 0);
+  ``"cpu-native"``: Specter's own kernel (``specter.kernels.int4_native``: int8-quantized
+  activations, integer dot products, 2.2x PyTorch's CPU kernel for one row) where it builds on
+  this machine (needs K % 64 == 0, group_size % 64 == 0); preferred on CPU when it fits;
   ``"reference"``: two nibbles per byte, dequantized to the activation dtype then ``F.linear``
   (any shape; K is zero-padded to a whole number of groups). ``backend=`` forces one.
   Both kernels are "tinygemm" style: ``w = (u - 8) * scale + zero`` for u in [0, 15] (checked
   empirically), so symmetric q is stored as u = q + 8 with zero = 0.
-- ``Int4Weight.linear(x [..., K]) -> [..., N]`` in x's dtype; the kernels take bfloat16
-  activations (x is cast; float32 activations hit a slow path on CPU) and accumulate in float32.
+- ``Int4Weight.linear(x [..., K]) -> [..., N]`` in x's dtype; the int4pack kernels take bfloat16
+  activations (x is cast; float32 activations hit a slow path on CPU), the native one float32
+  (quantized to int8 inside), all accumulate in float32 (``kernel_dtype(backend)``).
   ``dequantize() -> [N, K]`` float32 (exact: q * scale). ``nbytes``: bytes held (packed weight +
   scales, zeros included where the kernel wants them).
 - ``linear`` traces under torch.compile with ``fullgraph=True`` (the aten int4 ops have fake
@@ -37,8 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-Backend = Literal["cpu-int4pack", "cuda-int4pack", "reference"]
-BACKENDS: tuple[str, ...] = ("cpu-int4pack", "cuda-int4pack", "reference")
+from specter.kernels import int4_native
+
+Backend = Literal["cpu-native", "cpu-int4pack", "cuda-int4pack", "reference"]
+BACKENDS: tuple[str, ...] = ("cpu-native", "cpu-int4pack", "cuda-int4pack", "reference")
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 Q_MIN, Q_MAX = -8, 7
 SCALE_DTYPE = torch.bfloat16  # what both int4pack kernels read
@@ -65,12 +71,24 @@ def quantize_symmetric(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]
 
 def choose_backend(n: int, k: int, group_size: int, device: torch.device) -> Backend:
     """The fastest backend that can hold an [n, k] weight on ``device``."""
+    if device.type == "cpu" and native_fits(k, group_size) and int4_native.available():
+        return "cpu-native"
     fits = n % 16 == 0 and k % group_size == 0 and group_size in KERNEL_GROUP_SIZES
     if device.type == "cpu" and fits:
         return "cpu-int4pack"
     if device.type == "cuda" and fits and k % 32 == 0 and torch.cuda.get_device_capability(device) >= (8, 0):
         return "cuda-int4pack"
     return "reference"
+
+
+def native_fits(k: int, group_size: int) -> bool:
+    """Whether an [n, k] weight in groups of ``group_size`` has the native kernel's layout."""
+    return k % int4_native.CHUNK == 0 and group_size % int4_native.CHUNK == 0 and k % group_size == 0
+
+
+def kernel_dtype(backend: Backend, activation_dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype ``backend``'s kernel reads (converting to it once saves a cast per call)."""
+    return {"reference": activation_dtype, "cpu-native": torch.float32}.get(backend, torch.bfloat16)
 
 
 def _inner_k_tiles(k: int) -> int:
@@ -92,6 +110,8 @@ def int4_matmul(
     views into stacked expert storage)."""
     if backend == "reference":
         return F.linear(x, dequantize_reference(packed, scales, shape[1], x.dtype))
+    if backend == "cpu-native":
+        return int4_native.gemv(x.to(torch.float32).contiguous(), packed, scales, group_size).to(x.dtype)
     xb = x.to(torch.bfloat16).contiguous()  # [T, K]
     if backend == "cpu-int4pack":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, group_size, scales)
@@ -104,9 +124,11 @@ def int4_matmul(
 class Int4Weight:
     """One INT4 weight matrix in the layout its backend's kernel reads.
 
-    ``packed``: cpu-int4pack uint8 [N, K/2] (kernel's own order); cuda-int4pack int32
+    ``packed``: cpu-native uint8 [N, K/2] (``int4_native.pack``); cpu-int4pack uint8 [N, K/2]
+    (kernel's own order); cuda-int4pack int32
     [N/8, K/(16*tiles), 32, tiles/2]; reference uint8 [N, Kp/2], k even in the low nibble.
-    ``scales``: kernel backends [G, N, 2] bf16 (scale, zero = 0); reference [N, G] bf16."""
+    ``scales``: int4pack backends [G, N, 2] bf16 (scale, zero = 0); cpu-native [N, G] float32
+    (bf16-rounded values); reference [N, G] bf16."""
 
     backend: Backend
     shape: tuple[int, int]  # (N, K) of the original weight
@@ -142,6 +164,14 @@ class Int4Weight:
             return cls(backend, (n, in_features), group_size, packed, scales.to(SCALE_DTYPE).contiguous())
         if kp != in_features:
             raise ValueError(f"{backend} needs K % group_size == 0, got K={in_features}, group_size={group_size}")
+        if backend == "cpu-native":
+            reason = int4_native.unavailable_reason()
+            if reason is not None:
+                raise ValueError(f"cpu-native INT4 kernel unavailable: {reason}")
+            if not native_fits(kp, group_size):
+                raise ValueError(f"cpu-native needs K and group_size multiples of {int4_native.CHUNK}, "
+                                 f"got K={kp}, group_size={group_size}")
+            return cls(backend, (n, in_features), group_size, int4_native.pack(q), scales.float().contiguous())
         scales_and_zeros = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1)  # [G, N, 2]
         scales_and_zeros = scales_and_zeros.to(SCALE_DTYPE).contiguous()
         u = q.to(torch.int32) + 8  # [N, K] in [0, 15]
@@ -166,6 +196,8 @@ class Int4Weight:
         if self.backend == "reference":
             u = torch.stack([self.packed & 15, self.packed >> 4], dim=-1).reshape(n, -1)  # [N, Kp]
             return (u[:, :k].to(torch.int8) - 8).contiguous()
+        if self.backend == "cpu-native":
+            return int4_native.unpack(self.packed)
         # The kernel's packed order depends on the CPU's vector width, so read q back through the
         # kernel itself: identity rows with unit scales give (u - 8) exactly.
         unit = self.scales.clone()
@@ -179,10 +211,12 @@ class Int4Weight:
 
     def group_scales(self) -> Tensor:
         """Scales [N, G] bf16."""
+        if self.backend == "cpu-native":
+            return self.scales.to(SCALE_DTYPE)
         return self.scales if self.backend == "reference" else self.scales[..., 0].t()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``q * scale`` as [N, K] in ``dtype`` (computed in float32). Kernel backends pay one
+        """``q * scale`` as [N, K] in ``dtype`` (computed in float32). The int4pack backends pay one
         matmul of K identity rows (see ``int_data``): for tests and conversions, not hot paths."""
         n, k = self.shape
         if self.backend == "reference":

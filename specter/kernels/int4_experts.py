@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from specter.kernels.int4 import Backend, Int4Weight, choose_backend, int4_matmul, quantize_int4
-from specter.kernels.int4_rows import int4_rows
+from specter.kernels.int4 import Backend, Int4Weight, choose_backend, int4_matmul, kernel_dtype, quantize_int4
+from specter.kernels.int4_rows import IN_PLACE_BACKENDS, int4_rows
 
 def _stacked_int4(
     weight: Tensor, transposed: bool, group_size: int, backend: Backend | None
@@ -132,12 +132,12 @@ class Int4Experts:
         in and out; the activation function and the weighted sum in float32): each of the k
         experts is one up and one down matmul, the rest runs once over all k rows."""
         experts = top_k_index[0].tolist()
-        kernel_dtype = hidden.dtype if self.backend == "reference" else torch.bfloat16
-        x = hidden.to(kernel_dtype)  # [1, H]
+        dtype = kernel_dtype(self.backend, hidden.dtype)
+        x = hidden.to(dtype)  # [1, H]
         h = torch.cat([self.up[e].linear(x) for e in experts]).float()  # [k, 2I or I]
         if self.up_bias is not None:
             h = h + self.up_bias[experts].float()
-        a = self._activate(h).to(kernel_dtype)  # [k, I]
+        a = self._activate(h).to(dtype)  # [k, I]
         y = torch.cat([self.down[e].linear(a[slot : slot + 1]) for slot, e in enumerate(experts)]).float()  # [k, H]
         if self.down_bias is not None:
             y = y + self.down_bias[experts].float()
@@ -195,7 +195,7 @@ class Int4Experts:
         top_k = top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)  # [S]
         x = hidden.repeat_interleave(top_k, dim=0)  # [S, H]
-        if self.backend == "cpu-int4pack":
+        if self.backend in IN_PLACE_BACKENDS:
             return self._rows_in_place(x, expert_ids, top_k_weights, hidden.dtype)
         up_packed, up_scales = self.up_packed[expert_ids], self.up_scales[expert_ids]  # [S, ...]
         down_packed, down_scales = self.down_packed[expert_ids], self.down_scales[expert_ids]  # [S, ...]
@@ -221,11 +221,13 @@ class Int4Experts:
         """``forward_gather`` on the CPU: the (token, slot) rows ``x [S, H]`` through their experts'
         packed weights in place (``specter::int4_rows``, one opaque op per matrix, no copies)."""
         up, down = self.up[0], self.down[0]
-        h = int4_rows(x, self.up_packed, self.up_scales, expert_ids, up.group_size, up.out_features)  # [S, 2I]
+        h = int4_rows(x, self.up_packed, self.up_scales, expert_ids, up.group_size, up.out_features,
+                      self.backend)  # [S, 2I]
         if self.up_bias is not None:
             h = h + self.up_bias[expert_ids].to(h.dtype)
         h = self._activate(h)  # [S, I]
-        y = int4_rows(h, self.down_packed, self.down_scales, expert_ids, down.group_size, down.out_features)  # [S, H]
+        y = int4_rows(h, self.down_packed, self.down_scales, expert_ids, down.group_size, down.out_features,
+                      self.backend)  # [S, H]
         if self.down_bias is not None:
             y = y + self.down_bias[expert_ids].to(y.dtype)
         return self._combine(y, top_k_weights, dtype)

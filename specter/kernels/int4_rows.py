@@ -1,15 +1,15 @@
 """``int4_rows``: every row of an activation through the INT4 weight of its own expert, one op.
 
 Contract: ``int4_rows(x [S, K], packed [E, ...], scales [E, ...], expert_ids [S], group_size,
-out_features) -> [S, out_features]`` in x's dtype, where row s equals ``int4_matmul`` of
-``x[s:s+1]`` with expert ``expert_ids[s]``'s packed weights and scales on the cpu-int4pack
-backend: each expert's packed weights are read in place by PyTorch's int4pack kernel (no
-gathered copy), one call per row (a draft step's rows, one token's top-k, are distinct experts).
-It is the torch custom op ``specter::int4_rows`` with a fake implementation, so a
-``fullgraph=True`` compiled graph calls it as one opaque node rather than gathering every chosen
-expert's weights into a copy (what ``Int4Experts.forward_gather`` does on other backends). CPU
-tensors only: the expert ids are read on the host, which on a CUDA device would synchronise the
-stream inside a graph.
+out_features, backend) -> [S, out_features]`` in x's dtype, where row s equals ``int4_matmul`` of
+``x[s:s+1]`` with expert ``expert_ids[s]``'s packed weights and scales on ``backend``, one of
+``IN_PLACE_BACKENDS`` (the CPU kernels: ``cpu-native``, ``cpu-int4pack``): each expert's packed
+weights are read in place by the kernel (no gathered copy), one call per row (a draft step's
+rows, one token's top-k, are distinct experts). It is the torch custom op ``specter::int4_rows``
+with a fake implementation, so a ``fullgraph=True`` compiled graph calls it as one opaque node
+rather than gathering every chosen expert's weights into a copy (what
+``Int4Experts.forward_gather`` does on other backends). CPU tensors only: the expert ids are read
+on the host, which on a CUDA device would synchronise the stream inside a graph.
 """
 
 from __future__ import annotations
@@ -17,18 +17,30 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specter.kernels import int4_native
+
+IN_PLACE_BACKENDS = ("cpu-native", "cpu-int4pack")
+
 
 @torch.library.custom_op("specter::int4_rows", mutates_args=())
 def int4_rows(x: Tensor, packed: Tensor, scales: Tensor, expert_ids: Tensor, group_size: int,
-              out_features: int) -> Tensor:
+              out_features: int, backend: str) -> Tensor:
     if x.device.type != "cpu":
         raise ValueError(f"specter::int4_rows runs on CPU tensors only, got {x.device}")
-    xb = x.to(torch.bfloat16)  # the kernel's activation dtype
-    parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(xb[s : s + 1], packed[e], group_size, scales[e])
-             for s, e in enumerate(expert_ids.tolist())]
+    if backend not in IN_PLACE_BACKENDS:
+        raise ValueError(f"specter::int4_rows reads {' or '.join(IN_PLACE_BACKENDS)} weights, got {backend!r}")
+    ids = expert_ids.tolist()
+    if backend == "cpu-native":
+        xf = x.to(torch.float32).contiguous()
+        parts = [int4_native.gemv(xf[s : s + 1], packed[e], scales[e], group_size) for s, e in enumerate(ids)]
+    else:
+        xb = x.to(torch.bfloat16)  # the kernel's activation dtype
+        parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(xb[s : s + 1], packed[e], group_size, scales[e])
+                 for s, e in enumerate(ids)]
     return torch.cat(parts).to(x.dtype)
 
 
 @int4_rows.register_fake
-def _(x: Tensor, packed: Tensor, scales: Tensor, expert_ids: Tensor, group_size: int, out_features: int) -> Tensor:
+def _(x: Tensor, packed: Tensor, scales: Tensor, expert_ids: Tensor, group_size: int, out_features: int,
+      backend: str) -> Tensor:
     return x.new_empty(x.shape[0], out_features)

@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specter.kernels import int4_native
 from specter.kernels.int4 import Int4Weight, quantize_int4
+
+CPU_KERNELS = ["cpu-native", "cpu-int4pack"]
+# the native kernel rounds the activations to int8 per 64 values, the int4pack one to bf16
+ACTIVATION_ROUNDING = {"cpu-native": 8e-3, "cpu-int4pack": 4e-3}
 
 
 def representable(n: int, k: int, group_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -22,7 +27,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("backend", ["cpu-int4pack", "reference"])
+@pytest.mark.parametrize("backend", [*CPU_KERNELS, "reference"])
 @pytest.mark.parametrize("group_size", [64, 128])
 def test_representable_weights_round_trip_exactly(backend: str, group_size: int) -> None:
     w, q, scales = representable(32, 256, group_size)
@@ -33,20 +38,51 @@ def test_representable_weights_round_trip_exactly(backend: str, group_size: int)
     assert torch.equal(packed.dequantize(), w)
 
 
-def test_kernel_computes_symmetric_q_times_scale() -> None:
-    # the tinygemm formula (u - 8) * scale + zero with zero = 0 must give x @ (q * scale).T
-    w, _, _ = representable(64, 256, 64, seed=1)
-    x = torch.randn(5, 256).bfloat16().float()
-    y = quantize_int4(w, 64).linear(x)
-    assert rel(y, x @ w.t()) < 4e-3  # bf16 output rounding only
+def test_the_native_kernel_is_the_cpu_default_where_it_builds() -> None:
+    w = torch.randn(64, 256)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # this project's machines
+        assert int4_native.unavailable_reason() is None
+        assert quantize_int4(w, 64).backend == "cpu-native"
+        assert quantize_int4(w, 32).backend == "cpu-int4pack"  # groups of 32: not its layout
+    else:
+        assert quantize_int4(w, 64).backend == "cpu-int4pack"
 
 
+@pytest.mark.parametrize("backend", CPU_KERNELS)
 @pytest.mark.parametrize("group_size", [64, 128])
-def test_kernel_matches_dequantized_reference(group_size: int) -> None:
+def test_kernel_computes_symmetric_q_times_scale(backend: str, group_size: int) -> None:
+    # (u - 8) * scale (tinygemm: + zero with zero = 0; native: nibbles u = q + 8) must give x @ (q * scale).T
+    w, _, _ = representable(64, 256, group_size, seed=1)
+    x = torch.randn(5, 256).bfloat16().float()
+    y = quantize_int4(w, group_size, backend=backend).linear(x)
+    assert rel(y, x @ w.t()) < ACTIVATION_ROUNDING[backend]
+    exact = torch.zeros(1, 256)
+    exact[0, 3], exact[0, 200] = 1.0, -1.0  # two activations int8 and bf16 both hold exactly
+    torch.testing.assert_close(quantize_int4(w, group_size, backend=backend).linear(exact), exact @ w.t(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_the_native_kernel_can_be_turned_off(monkeypatch) -> None:
+    monkeypatch.setenv("SPECTER_NATIVE_INT4", "0")
+    assert "SPECTER_NATIVE_INT4=0" in int4_native._build()
+
+
+def test_native_kernel_rejects_what_is_not_its_layout() -> None:
+    with pytest.raises(ValueError, match="multiples of 64"):
+        quantize_int4(torch.randn(16, 96), 32, backend="cpu-native")
+    with pytest.raises(ValueError, match="K % 64"):
+        int4_native.pack(torch.zeros(4, 96, dtype=torch.int8))
+    q = torch.randint(-8, 8, (8, 128), dtype=torch.int8)
+    assert torch.equal(int4_native.unpack(int4_native.pack(q)), q)
+
+
+@pytest.mark.parametrize("backend", CPU_KERNELS)
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_kernel_matches_dequantized_reference(backend: str, group_size: int) -> None:
     torch.manual_seed(0)
     w = torch.randn(256, 512)
-    packed = quantize_int4(w, group_size)
-    assert packed.backend == "cpu-int4pack"
+    packed = quantize_int4(w, group_size, backend=backend)
+    assert packed.backend == backend
     for t in (1, 3, 16):
         x = torch.randn(t, 512)
         reference = F.linear(x, packed.dequantize())
@@ -70,7 +106,9 @@ def test_requantizing_a_dequantized_weight_is_idempotent() -> None:
 
 
 @pytest.mark.parametrize(("n", "k", "group_size"), [(10, 128, 64), (32, 80, 64), (32, 64, 16), (16, 64, 128)])
-def test_odd_shapes_fall_back_to_reference(n: int, k: int, group_size: int) -> None:
+def test_odd_shapes_fall_back_to_reference(n: int, k: int, group_size: int, monkeypatch) -> None:
+    # without the native kernel (it takes any N): N % 16 != 0 does not fit int4pack either
+    monkeypatch.setattr(int4_native, "available", lambda: False)
     torch.manual_seed(0)
     w = torch.randn(n, k)
     packed = quantize_int4(w, group_size)
@@ -84,7 +122,7 @@ def test_odd_shapes_fall_back_to_reference(n: int, k: int, group_size: int) -> N
 
 def test_nbytes_is_about_an_eighth_of_fp32_plus_scales() -> None:
     n, k, g = 256, 1024, 128
-    packed = quantize_int4(torch.randn(n, k), g)
+    packed = quantize_int4(torch.randn(n, k), g, backend="cpu-int4pack")
     scale_bytes = (k // g) * n * 2 * 2  # bf16 (scale, zero) pairs
     assert packed.nbytes == n * k // 2 + scale_bytes
     assert packed.nbytes == packed.packed.nbytes + packed.scales.nbytes
@@ -92,11 +130,14 @@ def test_nbytes_is_about_an_eighth_of_fp32_plus_scales() -> None:
     assert fp32 / 8 < packed.nbytes < fp32 / 8 * 1.1
     reference = quantize_int4(torch.randn(n, k), g, backend="reference")
     assert reference.nbytes == n * k // 2 + (k // g) * n * 2
+    native = quantize_int4(torch.randn(n, k), g, backend="cpu-native")
+    assert native.nbytes == n * k // 2 + (k // g) * n * 4  # float32 scales, no zeros
 
 
+@pytest.mark.parametrize("backend", CPU_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_keeps_dtype_and_leading_dims(dtype: torch.dtype) -> None:
-    packed = quantize_int4(torch.randn(32, 128), 64)
+def test_linear_keeps_dtype_and_leading_dims(backend: str, dtype: torch.dtype) -> None:
+    packed = quantize_int4(torch.randn(32, 128), 64, backend=backend)
     x = torch.randn(2, 3, 128, dtype=dtype)
     y = packed.linear(x)
     assert y.shape == (2, 3, 32) and y.dtype == dtype
@@ -114,7 +155,7 @@ def test_rejects_bad_arguments() -> None:
         quantize_int4(torch.randn(16, 80), 64, backend="cpu-int4pack")
 
 
-@pytest.mark.parametrize("backend", ["cpu-int4pack", "reference"])
+@pytest.mark.parametrize("backend", [*CPU_KERNELS, "reference"])
 def test_linear_traces_without_graph_breaks(backend: str) -> None:
     packed = quantize_int4(torch.randn(64, 128), 64, backend=backend)
     x = torch.randn(4, 128)
@@ -129,8 +170,9 @@ def test_linear_traces_without_graph_breaks(backend: str) -> None:
 
 
 @pytest.mark.slow
-def test_linear_compiles_with_inductor() -> None:
-    packed = quantize_int4(torch.randn(64, 128), 64)
+@pytest.mark.parametrize("backend", CPU_KERNELS)
+def test_linear_compiles_with_inductor(backend: str) -> None:
+    packed = quantize_int4(torch.randn(64, 128), 64, backend=backend)
     x = torch.randn(4, 128)
 
     def f(x: torch.Tensor) -> torch.Tensor:

@@ -101,9 +101,12 @@ def test_exactly_representable_weights_match_full_precision(arch: str, group_siz
         make_representable(module, group_size)
         hidden, index, weights = routing(12)
         expected = module(hidden, index, weights)
-        kernel = Int4Experts.from_module(module, group_size)(hidden, index, weights)
+        int4 = Int4Experts.from_module(module, group_size)
+        kernel = int4(hidden, index, weights)
         reference = Int4Experts.from_module(module, group_size, backend="reference")(hidden, index, weights)
-    assert rel(kernel, expected) < 1e-2  # bf16 activations in the kernel
+    # the int4pack kernel rounds activations to bf16, the native one to int8 per 64 values (the
+    # INT4 weights themselves are ~10x further from random full-precision experts: see above)
+    assert rel(kernel, expected) < (2e-2 if int4.backend == "cpu-native" else 1e-2)
     assert rel(reference, expected) < 1e-5  # float32 end to end: the same math exactly
 
 

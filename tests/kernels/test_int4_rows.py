@@ -6,39 +6,49 @@ from __future__ import annotations
 import torch
 from torch._dynamo.utils import counters
 
+import pytest
+
 from specter.kernels.int4 import int4_matmul, quantize_int4
-from specter.kernels.int4_rows import int4_rows
+from specter.kernels.int4_rows import IN_PLACE_BACKENDS, int4_rows
 
 torch.set_num_threads(1)
 EXPERTS, N, K, GROUP = 5, 96, 128, 64
 
 
-def stacked_weights():
+def stacked_weights(backend: str):
     gen = torch.Generator().manual_seed(0)
-    weights = [quantize_int4(torch.randn(N, K, generator=gen), GROUP, "cpu-int4pack") for _ in range(EXPERTS)]
+    weights = [quantize_int4(torch.randn(N, K, generator=gen), GROUP, backend) for _ in range(EXPERTS)]
     return torch.stack([w.packed for w in weights]), torch.stack([w.scales for w in weights])
 
 
-def per_row(x, packed, scales, ids):
-    return torch.cat([int4_matmul(x[s : s + 1], packed[e], scales[e], "cpu-int4pack", (N, K), GROUP)
+def per_row(x, packed, scales, ids, backend):
+    return torch.cat([int4_matmul(x[s : s + 1], packed[e], scales[e], backend, (N, K), GROUP)
                       for s, e in enumerate(ids.tolist())])
 
 
-def test_each_row_uses_its_own_experts_weights() -> None:
-    packed, scales = stacked_weights()
+@pytest.mark.parametrize("backend", IN_PLACE_BACKENDS)
+def test_each_row_uses_its_own_experts_weights(backend: str) -> None:
+    packed, scales = stacked_weights(backend)
     x = torch.randn(4, K)
     ids = torch.tensor([3, 0, 3, 4])  # a repeated expert too
-    out = int4_rows(x, packed, scales, ids, GROUP, N)
+    out = int4_rows(x, packed, scales, ids, GROUP, N, backend)
     assert out.shape == (4, N) and out.dtype == x.dtype
-    torch.testing.assert_close(out, per_row(x, packed, scales, ids), rtol=0, atol=0)
-    assert not torch.equal(out[0], int4_rows(x[:1], packed, scales, torch.tensor([0]), GROUP, N)[0])
+    torch.testing.assert_close(out, per_row(x, packed, scales, ids, backend), rtol=0, atol=0)
+    assert not torch.equal(out[0], int4_rows(x[:1], packed, scales, torch.tensor([0]), GROUP, N, backend)[0])
 
 
-def test_one_opaque_op_inside_a_fullgraph_compiled_graph() -> None:
-    packed, scales = stacked_weights()
+def test_rejects_a_backend_whose_weights_it_cannot_read() -> None:
+    packed, scales = stacked_weights("cpu-int4pack")
+    with pytest.raises(ValueError, match="reads cpu-native or cpu-int4pack"):
+        int4_rows(torch.randn(1, K), packed, scales, torch.tensor([0]), GROUP, N, "reference")
+
+
+@pytest.mark.parametrize("backend", IN_PLACE_BACKENDS)
+def test_one_opaque_op_inside_a_fullgraph_compiled_graph(backend: str) -> None:
+    packed, scales = stacked_weights(backend)
 
     def step(x, ids):
-        return torch.relu(int4_rows(x * 2.0, packed, scales, ids, GROUP, N)).sum(dim=0)
+        return torch.relu(int4_rows(x * 2.0, packed, scales, ids, GROUP, N, backend)).sum(dim=0)
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     breaks = sum(counters["graph_break"].values())
