@@ -3,7 +3,7 @@
 
 Contract:
 - ``available() -> bool`` builds the kernel on first call (``torch.utils.cpp_extension.load``
-  with a C++ compiler and ninja; about 15 s, then cached in torch's extensions directory) and
+  with a C++ compiler and ninja, a dependency; about 15 s, then cached in torch's extensions directory) and
   says whether it is usable: the build succeeded and its AVX2 path was compiled in (the CPU has
   AVX2 and FMA). ``unavailable_reason()`` says why not (None when available). The environment
   variable ``SPECTER_NATIVE_INT4=0`` turns it off. Nothing is built at import.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def _build() -> str | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
+        _put_ninja_on_path()
         built = (Path(_get_build_directory(NAME, verbose=False)) / f"{NAME}.so").exists()
         (log.info if built else log.warning)("building Specter's INT4 CPU kernel (once per machine, about 15 s) ...")
         load(NAME, [str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
@@ -57,6 +59,17 @@ def _build() -> str | None:
         return "the kernel built without its AVX2 path"
     torch.library.register_fake("specter_native::int4_gemv")(_fake_gemv)
     return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch's extension loader runs ``ninja`` from PATH; the ``ninja`` package (a dependency)
+    installs it beside the interpreter, which is not on PATH when the venv is not activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def _fake_gemv(x: Tensor, packed: Tensor, scales: Tensor, group: int) -> Tensor:

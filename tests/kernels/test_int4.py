@@ -62,20 +62,6 @@ def test_kernel_computes_symmetric_q_times_scale(backend: str, group_size: int) 
                                rtol=1e-2, atol=1e-2)
 
 
-def test_the_native_kernel_can_be_turned_off(monkeypatch) -> None:
-    monkeypatch.setenv("SPECTER_NATIVE_INT4", "0")
-    assert "SPECTER_NATIVE_INT4=0" in int4_native._build()
-
-
-def test_native_kernel_rejects_what_is_not_its_layout() -> None:
-    with pytest.raises(ValueError, match="multiples of 64"):
-        quantize_int4(torch.randn(16, 96), 32, backend="cpu-native")
-    with pytest.raises(ValueError, match="K % 64"):
-        int4_native.pack(torch.zeros(4, 96, dtype=torch.int8))
-    q = torch.randint(-8, 8, (8, 128), dtype=torch.int8)
-    assert torch.equal(int4_native.unpack(int4_native.pack(q)), q)
-
-
 @pytest.mark.parametrize("backend", CPU_KERNELS)
 @pytest.mark.parametrize("group_size", [64, 128])
 def test_kernel_matches_dequantized_reference(backend: str, group_size: int) -> None:
