@@ -21,8 +21,8 @@ Contract:
   this machine (needs K % 64 == 0, group_size % 64 == 0); preferred on CPU when it fits;
   ``"reference"``: two nibbles per byte, dequantized to the activation dtype then ``F.linear``
   (any shape; K is zero-padded to a whole number of groups). ``backend=`` forces one.
-  Both int4pack kernels are "tinygemm" style: ``w = (u - 8) * scale + zero`` for u in [0, 15] (checked
-  empirically), so symmetric q is stored as u = q + 8 with zero = 0.
+  Both int4pack kernels are "tinygemm" style: ``w = (u - 8) * scale + zero`` for u in [0, 15]
+  (checked empirically), so symmetric q is stored as u = q + 8 with zero = 0.
 - ``Int4Weight.linear(x [..., K]) -> [..., N]`` in x's dtype; the int4pack kernels take bfloat16
   activations (x is cast; float32 activations hit a slow path on CPU), the native one float32
   (quantized to int8 inside), all accumulate in float32 (``kernel_dtype(backend)``).
