@@ -1,8 +1,9 @@
 """Times one activation row through one expert matrix with each CPU kernel: float32 ``F.linear``,
 PyTorch's ``_weight_int4pack_mm_for_cpu`` and Specter's native INT4 kernel, at the widened
-model's expert shapes (gate_up [8192, 256], down [256, 4096]).
+model's expert shapes (gate_up [8192, 256], down [256, 4096]) or the bundled model's
+(``--shapes bundled``: [512, 256], [256, 256]).
 
-Run: python scripts/int4_kernels.py [--threads 1] [--weights 48]
+Run: python scripts/int4_kernels.py [--shapes widened|bundled] [--threads 1] [--weights 48]
 48 distinct weights per shape are cycled so they come from memory, not the CPU's caches (an
 [8192, 256] float32 weight is 8 MiB); each figure is the median of 5 passes over them.
 """
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from specter.kernels import int4_native
 from specter.kernels.int4 import int4_matmul, quantize_int4
 
-SHAPES = [(8192, 256), (256, 4096)]  # the widened model's gate_up and down, [N, K]
+SHAPES = {"widened": [(8192, 256), (256, 4096)], "bundled": [(512, 256), (256, 256)]}  # gate_up, down: [N, K]
 
 
 def per_call_ms(calls: list[Callable[[], object]]) -> float:
@@ -37,6 +38,7 @@ def per_call_ms(calls: list[Callable[[], object]]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="widened")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--weights", type=int, default=48)
     parser.add_argument("--group-size", type=int, default=64)
@@ -47,7 +49,7 @@ def main() -> None:
     if len(backends) == 1:
         print(f"native kernel unavailable: {int4_native.unavailable_reason()}")
     print(f"threads {args.threads}, {args.weights} distinct weights per shape, INT4 group size {group}")
-    for n, k in SHAPES:
+    for n, k in SHAPES[args.shapes]:
         weights = [torch.randn(n, k) * 0.02 for _ in range(args.weights)]
         x = torch.randn(1, k)
         row = {"float32 F.linear": per_call_ms([lambda w=w: F.linear(x, w) for w in weights])}
