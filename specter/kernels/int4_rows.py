@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specter.kernels import int4_native
+from specter.kernels.int4 import int4_matmul, kernel_dtype
 
 IN_PLACE_BACKENDS = ("cpu-native", "cpu-int4pack")
 
@@ -29,14 +29,10 @@ def int4_rows(x: Tensor, packed: Tensor, scales: Tensor, expert_ids: Tensor, gro
         raise ValueError(f"specter::int4_rows runs on CPU tensors only, got {x.device}")
     if backend not in IN_PLACE_BACKENDS:
         raise ValueError(f"specter::int4_rows reads {' or '.join(IN_PLACE_BACKENDS)} weights, got {backend!r}")
-    ids = expert_ids.tolist()
-    if backend == "cpu-native":
-        xf = x.to(torch.float32).contiguous()
-        parts = [int4_native.gemv(xf[s : s + 1], packed[e], scales[e], group_size) for s, e in enumerate(ids)]
-    else:
-        xb = x.to(torch.bfloat16)  # the kernel's activation dtype
-        parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(xb[s : s + 1], packed[e], group_size, scales[e])
-                 for s, e in enumerate(ids)]
+    xk = x.to(kernel_dtype(backend, x.dtype)).contiguous()  # cast once, not per row
+    shape = (out_features, x.shape[1])
+    parts = [int4_matmul(xk[s : s + 1], packed[e], scales[e], backend, shape, group_size)
+             for s, e in enumerate(expert_ids.tolist())]
     return torch.cat(parts).to(x.dtype)
 
 
