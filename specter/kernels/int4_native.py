@@ -3,10 +3,10 @@
 
 Contract:
 - ``available() -> bool`` builds the kernel on first call (``torch.utils.cpp_extension.load``
-  with a C++ compiler and ninja, a dependency; about 15 s, then cached in torch's extensions directory) and
-  says whether it is usable: the build succeeded and its AVX2 path was compiled in (the CPU has
-  AVX2 and FMA). ``unavailable_reason()`` says why not (None when available). The environment
-  variable ``SPECTER_NATIVE_INT4=0`` turns it off. Nothing is built at import.
+  with a C++ compiler and ninja, a dependency; about 15 s, then cached in torch's extensions
+  directory) and says whether it is usable: the CPU has AVX2 and the build (with ``-mavx2
+  -mfma``) succeeded. ``unavailable_reason()`` says why not (None when available). The
+  environment variable ``SPECTER_NATIVE_INT4=0`` turns it off. Nothing is built at import.
 - ``pack(q [N, K] int8 in [-8, 7]) -> uint8 [N, K/2]``: per 64-value chunk of a row, 32 bytes,
   byte j = u[j] | u[j + 32] << 4 with u = q + 8; ``unpack`` inverts it. K % 64 == 0.
 - ``gemv(x [M, K] float32, packed, scales [N, K/group] float32, group) -> [M, N] float32``:
@@ -55,8 +55,6 @@ def _build() -> str | None:
              is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the int4pack kernel serves
         return f"the build failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})"
-    if not torch.ops.specter_native.vectorized():
-        return "the kernel built without its AVX2 path"
     torch.library.register_fake("specter_native::int4_gemv")(_fake_gemv)
     return None
 

@@ -13,9 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define SPECTER_AVX2 1
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "int4_gemv.cpp is built with -mavx2 -mfma (specter/kernels/int4_native.py)"
 #endif
 
 namespace {
@@ -44,7 +44,6 @@ void quantize_row(const float* x, int64_t k, int8_t* xq, float* xs, int32_t* xsu
 inline float row_dot(const uint8_t* w, const float* ws, int64_t chunks, int64_t chunks_per_group,
                      const int8_t* xq, const float* xs, const int32_t* xsum) {
   float offset = 0.f;  // sum over chunks of 8 * sum(xq) * scale: the "- 8" of every nibble
-#ifdef SPECTER_AVX2
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc = _mm256_setzero_ps();
@@ -64,21 +63,6 @@ inline float row_dot(const uint8_t* w, const float* ws, int64_t chunks, int64_t 
   const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
   const __m128 one = _mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1));
   return _mm_cvtss_f32(one) - offset;
-#else
-  float total = 0.f;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const float scale = xs[c] * ws[c / chunks_per_group];
-    int32_t dot = 0;
-    for (int64_t j = 0; j < 32; ++j) {
-      const uint8_t b = w[c * 32 + j];
-      dot += static_cast<int32_t>(b & 0x0F) * xq[c * kChunk + j];
-      dot += static_cast<int32_t>(b >> 4) * xq[c * kChunk + 32 + j];
-    }
-    total += static_cast<float>(dot) * scale;
-    offset += 8.f * static_cast<float>(xsum[c]) * scale;
-  }
-  return total - offset;
-#endif
 }
 
 }  // namespace
@@ -115,18 +99,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return out;
 }
 
-bool int4_gemv_vectorized() {
-#ifdef SPECTER_AVX2
-  return true;
-#else
-  return false;
-#endif
-}
-
 TORCH_LIBRARY(specter_native, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales, int group) -> Tensor");
-  m.def("vectorized() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) { m.impl("int4_gemv", &int4_gemv); }
-TORCH_LIBRARY_IMPL(specter_native, CompositeExplicitAutograd, m) { m.impl("vectorized", &int4_gemv_vectorized); }
