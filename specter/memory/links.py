@@ -1,7 +1,11 @@
 """The built-in links (the contract is ``specter.memory.link``).
 
 Built-ins, registered through the ``register_links`` hook:
-- ``local``: a synchronous copy, no pacing (the device is the host, or pacing is not wanted).
+- ``local``: copies at the machine's own speed, no pacing. On a CPU device with more than one core
+  they run in FIFO order on a copy thread (the spare core is the "copy engine", as a GPU's DMA
+  engine is: copies overlap compute, ``overlaps_compute`` True); with ``copy_thread: false``, on
+  one core or on a CUDA device (where ``cuda`` is the asynchronous link) ``submit`` copies before
+  it returns.
 - ``emulated``: real copies done in FIFO order by a worker thread, each completing no earlier than
   ``max(submit, previous completion) + latency_us * 1e-6 + nbytes / (gbps * 1e9)``: a serial link
   of the configured bandwidth and latency, so a CPU reproduces the I/O-bound regime of a
@@ -13,6 +17,7 @@ Built-ins, registered through the ``register_links`` hook:
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -25,15 +30,6 @@ from specter.memory.disk_store import DiskLink
 from specter.memory.link import (
     CompletedTransfer, Link, Tensors, Transfer, TransferTimeout, copy_all, transfer_nbytes,
 )
-
-class LocalLink(Link):
-    kind = "local"
-    overlaps_compute = False
-
-    def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
-        copy_all(dst, src)
-        return CompletedTransfer(transfer_nbytes(src))
-
 
 class ThreadTransfer(Transfer):
     """Completed by a worker thread; the only object that thread shares with the caller."""
@@ -66,30 +62,23 @@ class ThreadTransfer(Transfer):
 _STOP = object()
 
 
-class EmulatedLink(Link):
-    kind = "emulated"
-    emulated = True
+class CopyThreadLink(Link):
+    """Copies done in FIFO order by one worker thread; ``_due`` says when each may complete (a
+    subclass paces them). ``close()`` stops the worker after the copies already submitted."""
 
-    def __init__(self, gbps: float, latency_us: float = 0.0) -> None:
-        if not gbps or gbps <= 0:
-            raise SpecterError(f"link.gbps: must be > 0 for an emulated link, got {gbps!r}")
-        if latency_us < 0:
-            raise SpecterError(f"link.latency_us: must be >= 0, got {latency_us!r}")
-        self.gbps = float(gbps)
-        self.latency_us = float(latency_us)
+    def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._worker = threading.Thread(target=self._serve, name="specter-emulated-link", daemon=True)
+        self._worker = threading.Thread(target=self._serve, name=f"specter-{self.kind}-link", daemon=True)
         self._worker.start()
 
-    def duration_s(self, nbytes: int) -> float:
-        """The time the emulated wire is busy with one transfer of ``nbytes``."""
-        assert self.latency_us is not None and self.gbps is not None
-        return self.latency_us * 1e-6 + nbytes / (self.gbps * 1e9)
+    def _due(self, submitted: float, previous_completion: float, nbytes: int) -> float:
+        """The earliest perf_counter time at which a copy may complete (default: at once)."""
+        return 0.0
 
     def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
         if self._closed:
-            raise SpecterError("submit on a closed emulated link")
+            raise SpecterError(f"submit on a closed {self.kind} link")
         transfer = ThreadTransfer(transfer_nbytes(src))
         self._queue.put((transfer, dst, src, time.perf_counter()))
         return transfer
@@ -112,7 +101,7 @@ class EmulatedLink(Link):
             if item is _STOP:
                 return
             transfer, dst, src, submitted = item
-            due = max(submitted, previous_completion) + self.duration_s(transfer.nbytes)
+            due = self._due(submitted, previous_completion, transfer.nbytes)
             try:
                 copy_all(dst, src)
             except BaseException as error:  # handed to the caller through wait()
@@ -123,6 +112,71 @@ class EmulatedLink(Link):
                 time.sleep(remaining)
             transfer._finish()
             previous_completion = time.perf_counter()
+
+
+def _spare_core() -> bool:
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return len(cores) > 1
+
+
+class LocalLink(CopyThreadLink):
+    """``local``: unpaced copies; on a copy thread unless ``copy_thread`` is False, the device is
+    not a CPU, or the process has one core (then synchronous, ``overlaps_compute`` False)."""
+
+    kind = "local"
+    copy_thread = False
+    overlaps_compute = False
+    _closed = False
+
+    def __init__(self, copy_thread: bool | None = None, device: str | torch.device | None = None) -> None:
+        if copy_thread not in (None, True, False):
+            raise SpecterError(f"offload.link.options.copy_thread: true or false, got {copy_thread!r}")
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        if copy_thread and not on_cpu:
+            raise SpecterError(f"offload.link.options.copy_thread: a copy thread serves a CPU device, the device "
+                               f"is {device}; use the cuda link for asynchronous copies to a GPU")
+        self.copy_thread = on_cpu and _spare_core() if copy_thread is None else copy_thread
+        self.overlaps_compute = self.copy_thread
+        if self.copy_thread:
+            super().__init__()
+
+    def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
+        if self.copy_thread:
+            return super().submit(dst, src, slot)
+        if self._closed:
+            raise SpecterError("submit on a closed local link")
+        copy_all(dst, src)
+        return CompletedTransfer(transfer_nbytes(src))
+
+    def close(self) -> None:
+        if self.copy_thread:
+            super().close()
+        self._closed = True
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), "copy_thread": self.copy_thread}
+
+
+class EmulatedLink(CopyThreadLink):
+    kind = "emulated"
+    emulated = True
+
+    def __init__(self, gbps: float, latency_us: float = 0.0) -> None:
+        if not gbps or gbps <= 0:
+            raise SpecterError(f"link.gbps: must be > 0 for an emulated link, got {gbps!r}")
+        if latency_us < 0:
+            raise SpecterError(f"link.latency_us: must be >= 0, got {latency_us!r}")
+        self.gbps = float(gbps)
+        self.latency_us = float(latency_us)
+        super().__init__()
+
+    def duration_s(self, nbytes: int) -> float:
+        """The time the emulated wire is busy with one transfer of ``nbytes``."""
+        assert self.latency_us is not None and self.gbps is not None
+        return self.latency_us * 1e-6 + nbytes / (self.gbps * 1e9)
+
+    def _due(self, submitted: float, previous_completion: float, nbytes: int) -> float:
+        return max(submitted, previous_completion) + self.duration_s(nbytes)
 
 
 class CudaTransfer(Transfer):

@@ -90,7 +90,10 @@ def test_resident_report_has_no_offload_figures(reports):
 
 def test_ondemand_report(reports):
     report = reports["ondemand"]
-    assert report["link"] == {"kind": "local", "gbps": None, "latency_us": None, "emulated": False}
+    from specter.memory.links import _spare_core
+
+    assert report["link"] == {"kind": "local", "gbps": None, "latency_us": None, "emulated": False,
+                              "copy_thread": _spare_core()}
     budget = report["expert_budget"]
     assert budget["experts"] == int(0.25 * N_LAYERS * N_EXPERTS) and budget["fraction"] == pytest.approx(0.25)
     assert report["device_bytes"]["cache"] == budget["bytes"] == budget["experts"] * report["model"]["expert_bytes"]

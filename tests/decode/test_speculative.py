@@ -142,7 +142,8 @@ def test_report_fields_of_a_specter_run(checkpoints):
     assert report["draft"]["bits"] == 4
 
 
-@pytest.mark.parametrize("link, routing_step", [({"kind": "local"}, False),
+@pytest.mark.parametrize("link, routing_step", [({"kind": "local", "options": {"copy_thread": False}}, False),
+                                                ({"kind": "local", "options": {"copy_thread": True}}, True),
                                                 ({"kind": "emulated", "gbps": 50.0, "latency_us": 1}, True)])
 def test_the_routing_only_draft_step_runs_only_where_a_copy_can_hide_behind_it(link, routing_step, checkpoints, resident):
     result = generate(checkpoints["mixtral"], "specter", k=3, offload={"link": link, "expert_budget": 0.25})

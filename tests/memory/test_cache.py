@@ -41,7 +41,7 @@ class RecordingLink(LocalLink):
 
 
 def make_cache(n_slots: int = 3, policy: CachePolicy | None = None, link=None, **store_kw) -> ExpertCache:
-    return ExpertCache(make_store(**store_kw), n_slots, torch.device("cpu"), link or LocalLink(),
+    return ExpertCache(make_store(**store_kw), n_slots, torch.device("cpu"), link or LocalLink(copy_thread=False),
                        policy or LRUPolicy())
 
 

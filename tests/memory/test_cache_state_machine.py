@@ -69,7 +69,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.x = torch.randn(2, 3, generator=gen)
 
     def make_store_and_link(self, tensors):
-        return ExpertStore(tensors), ManualLink() if self.manual_link else LocalLink()
+        return ExpertStore(tensors), ManualLink() if self.manual_link else LocalLink(copy_thread=False)
 
     # ----- rules -------------------------------------------------------------------------------
 

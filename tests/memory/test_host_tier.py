@@ -44,7 +44,7 @@ def assert_holds(dst, disk, layer, expert) -> None:
 
 
 def test_a_held_expert_is_copied_from_host_memory_without_reading_the_disk(disk):
-    tier = HostTierLink(LocalLink(), capacity=3, policy=LRUPolicy())
+    tier = HostTierLink(LocalLink(copy_thread=False), capacity=3, policy=LRUPolicy())
     dst = slot(disk)
     tier.submit(dst, DiskSource(disk, 0, 5), 0).wait()
     assert_holds(dst, disk, 0, 5)
@@ -59,7 +59,7 @@ def test_a_held_expert_is_copied_from_host_memory_without_reading_the_disk(disk)
 
 
 def test_a_staged_read_is_not_read_again_when_its_copy_is_asked(disk):
-    tier = HostTierLink(LocalLink(), capacity=2, policy=LRUPolicy())
+    tier = HostTierLink(LocalLink(copy_thread=False), capacity=2, policy=LRUPolicy())
     tier.stage(DiskSource(disk, 1, 3))
     tier.stage(DiskSource(disk, 1, 3))  # already on its way: nothing new
     dst = slot(disk)
@@ -115,7 +115,7 @@ def test_the_budget_evicts_by_policy_and_a_busy_buffer_is_never_taken(disk):
 
 
 def test_a_read_error_reaches_the_waiter_and_frees_the_buffer(disk, monkeypatch):
-    tier = HostTierLink(LocalLink(), capacity=1, policy=LRUPolicy())
+    tier = HostTierLink(LocalLink(copy_thread=False), capacity=1, policy=LRUPolicy())
 
     def broken(self, dst):
         raise SpecterError("disk tier: short read (injected)")

@@ -24,10 +24,54 @@ def pair(nbytes: int = MB) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
 
 def test_local_copies_synchronously() -> None:
     dst, src = pair(4096)
-    transfer = LocalLink().submit(dst, src, slot=0)
+    transfer = LocalLink(copy_thread=False).submit(dst, src, slot=0)
     assert transfer.done() and transfer.nbytes == 4096
     assert transfer.wait() == 0.0
     assert all(torch.equal(dst[n], src[n]) for n in src)
+
+
+def test_local_copy_thread_copies_in_order_and_overlaps_compute() -> None:
+    link = LocalLink(copy_thread=True)
+    try:
+        assert link.overlaps_compute and link.describe()["copy_thread"] is True
+        dst = {"w": torch.zeros(1 << 16)}
+        sources = [{"w": torch.full((1 << 16,), float(i))} for i in range(5)]
+        transfers = [link.submit(dst, src, slot=0) for src in sources]
+        transfers[-1].wait()
+        assert all(t.done() for t in transfers)  # FIFO: the last one done means all are
+        assert torch.equal(dst["w"], sources[-1]["w"])
+    finally:
+        link.close()
+    assert not link.alive
+    with pytest.raises(SpecterError, match="closed local link"):
+        link.submit(dst, sources[0], slot=0)
+
+
+def test_local_link_default_uses_a_spare_core_on_a_cpu_only(monkeypatch) -> None:
+    from specter.memory import links
+
+    monkeypatch.setattr(links, "_spare_core", lambda: True)
+    threaded = LocalLink(device="cpu")
+    assert threaded.copy_thread and threaded.overlaps_compute
+    threaded.close()
+    monkeypatch.setattr(links, "_spare_core", lambda: False)
+    single = LocalLink(device="cpu")
+    assert not single.copy_thread and not single.overlaps_compute
+    assert not LocalLink(device="meta").copy_thread  # not a CPU: synchronous (the cuda link is the asynchronous one)
+    with pytest.raises(SpecterError, match="copy_thread"):
+        LocalLink(copy_thread=True, device="meta")
+    with pytest.raises(SpecterError, match="true or false"):
+        LocalLink(copy_thread="yes")
+
+
+def test_local_copy_thread_hands_a_failed_copy_to_wait() -> None:
+    link = LocalLink(copy_thread=True)
+    try:
+        transfer = link.submit({"w": torch.zeros(4)}, {"w": torch.zeros(5)}, slot=0)
+        with pytest.raises(SpecterError, match="expert transfer failed"):
+            transfer.wait(timeout=5.0)
+    finally:
+        link.close()
 
 
 def test_emulated_copies_are_correct_and_in_order() -> None:
@@ -110,14 +154,15 @@ def test_describe_labels_emulation() -> None:
         assert link.describe() == {"kind": "emulated", "gbps": 0.5, "latency_us": 50.0, "emulated": True}
     finally:
         link.close()
-    assert LocalLink().describe()["emulated"] is False
+    assert LocalLink(copy_thread=False).describe() == {"kind": "local", "gbps": None, "latency_us": None,
+                                                      "emulated": False, "copy_thread": False}
 
 
 def test_builtins_register_through_the_hook() -> None:
     registered: dict[str, object] = {}
     register_links(lambda name, factory: registered.__setitem__(name, factory))
     assert sorted(registered) == ["cuda", "disk", "emulated", "local"]
-    assert isinstance(registered["local"]().submit({}, {}, 0), CompletedTransfer)
+    assert isinstance(registered["local"](copy_thread=False).submit({}, {}, 0), CompletedTransfer)
 
 
 @pytest.mark.gpu

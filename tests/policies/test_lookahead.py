@@ -95,7 +95,7 @@ def test_in_a_cache_a_prefetch_keeps_the_key_needed_next() -> None:
     store = ExpertStore({0: {"gate_up_proj": torch.randn(4, 4, 3, generator=gen),
                              "down_proj": torch.randn(4, 3, 2, generator=gen)}})
     policy = LookaheadPolicy()
-    cache = ExpertCache(store, 2, torch.device("cpu"), LocalLink(), policy)
+    cache = ExpertCache(store, 2, torch.device("cpu"), LocalLink(copy_thread=False), policy)
     cache.preload([(0, 0), (0, 1)])  # (0, 0) is the LRU key
     policy.on_hints([((0, 0), 0.9), ((0, 2), 0.8), ((0, 1), 0.1)])
     assert cache.prefetch(0, 2, 0.8)
