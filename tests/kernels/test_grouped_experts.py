@@ -43,6 +43,32 @@ def test_every_pair_runs_its_expert_once_scaled_and_summed(tokens: int, top_k: i
     torch.testing.assert_close(out.double(), reference(x, ids, weights, gate_up, down), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("native_kernel", [True, False])
+@pytest.mark.parametrize("tokens, top_k", [(1, 2), (5, 2), (9, 3)])
+def test_the_native_and_the_grouped_mm_forms_agree_with_the_reference(tokens, top_k, native_kernel, monkeypatch) -> None:
+    from specter.kernels import native, native_rows
+
+    if native_kernel and not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    if not native_kernel:
+        monkeypatch.setattr(native, "available", lambda: False)
+    gen = torch.Generator().manual_seed(tokens + top_k)
+    inter = 48  # K of the down projection a multiple of 16: the native kernel can serve both projections
+    gate_up, down = torch.randn(SLOTS, 2 * inter, HIDDEN, generator=gen), torch.randn(SLOTS, HIDDEN, inter, generator=gen)
+    assert native_rows.serves(torch.zeros(1, HIDDEN), gate_up, down) is native_kernel
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(SLOTS, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    wide_gate = lambda t: F.silu(t[..., :inter]) * t[..., inter:]  # noqa: E731
+    expected = torch.zeros(tokens, HIDDEN, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            expected[t] += float(weights[t, j]) * (down[e].double() @ wide_gate(gate_up[e].double() @ x[t].double()))
+    out = grouped_experts(x, ids, weights, gate_up, down, wide_gate)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_all_tokens_on_one_expert_and_unused_slots() -> None:
     gen = torch.Generator().manual_seed(1)
     gate_up, down = torch.randn(SLOTS, 2 * INTER, HIDDEN, generator=gen), torch.randn(SLOTS, HIDDEN, INTER, generator=gen)

@@ -8,13 +8,13 @@ import shutil
 import pytest
 import torch
 
-from specter.kernels import int4_native
+from specter.kernels import int4_native, native
 from specter.kernels.int4 import quantize_int4
 
 
 def test_the_native_kernel_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("SPECTER_NATIVE_INT4", "0")
-    assert "SPECTER_NATIVE_INT4=0" in int4_native._build()
+    assert "SPECTER_NATIVE_INT4=0" in native._build()
 
 
 def test_native_kernel_rejects_what_is_not_its_layout() -> None:
@@ -30,5 +30,5 @@ def test_the_ninja_package_is_found_when_its_directory_is_not_on_path(monkeypatc
     import ninja  # noqa: F401  (a dependency: the README installs it)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert shutil.which("ninja") is None
-    int4_native._put_ninja_on_path()
+    native._put_ninja_on_path()
     assert shutil.which("ninja") is not None

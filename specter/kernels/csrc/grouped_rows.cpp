@@ -1,0 +1,88 @@
+// Float32 x @ W^T for few rows per weight, weights chosen per row group from a stack (a layer's
+// experts or the expert cache's slots). Contract (see specter/kernels/native_rows.py):
+//   grouped_rows(x float32 [P, K], w float32 [S, N, K], ends int64 [S]) -> float32 [P, N]
+//   rows ends[s-1] .. ends[s] (ends[-1] = 0) are multiplied by w[s]^T; empty groups are skipped.
+// Every weight row w[s, n] is read from memory once for all the rows of its group (up to four
+// rows share the accumulators, a fifth re-reads it from L1), so a group of 2-8 rows costs about
+// what one row costs: the memory-bound regime of decode and verification, where BLAS's small-M
+// GEMM packs the weight first and runs at half a matrix-vector product's speed.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <cstdint>
+#include <immintrin.h>
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "grouped_rows.cpp is built with -mavx2 -mfma (specter/kernels/native_rows.py)"
+#endif
+
+namespace {
+
+inline float hsum(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1)));
+}
+
+// out[r * ldo] = dot(w [K], x[r * K .. ]) for R rows; K % 16 == 0, two accumulators per row.
+template <int R>
+inline void dot_rows(const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * k + i), a0[r]);
+      a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * k + i + 8), a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+void dot_any(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: dot_rows<1>(w, x, k, out, ldo); break;
+    case 2: dot_rows<2>(w, x, k, out, ldo); break;
+    case 3: dot_rows<3>(w, x, k, out, ldo); break;
+    default: dot_rows<4>(w, x, k, out, ldo); break;
+  }
+}
+
+}  // namespace
+
+at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "grouped_rows: x must be a contiguous float32 [P, K] tensor");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "grouped_rows: w must be a contiguous float32 [S, N, K] tensor");
+  TORCH_CHECK(ends.dim() == 1 && ends.scalar_type() == at::kLong && ends.size(0) == w.size(0),
+              "grouped_rows: ends must be an int64 [S] tensor");
+  const int64_t p = x.size(0), k = x.size(1), s = w.size(0), n = w.size(1);
+  TORCH_CHECK(w.size(2) == k && k % 16 == 0, "grouped_rows: w's last dimension must equal x's, a multiple of 16");
+  auto ends_c = ends.contiguous();
+  const int64_t* ep = ends_c.data_ptr<int64_t>();
+  TORCH_CHECK(s == 0 || ep[s - 1] == p, "grouped_rows: ends[-1] must equal the number of rows");
+  auto out = at::empty({p, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t start = 0;
+  for (int64_t g = 0; g < s; ++g) {
+    const int64_t end = ep[g];
+    TORCH_CHECK(end >= start && end <= p, "grouped_rows: ends must be non-decreasing and at most P");
+    if (end > start) {
+      const float* wg = wp + g * n * k;
+      at::parallel_for(0, n, 16, [&](int64_t begin, int64_t stop) {
+        for (int64_t j = begin; j < stop; ++j)
+          for (int64_t r = start; r < end; r += 4)
+            dot_any(static_cast<int>(std::min<int64_t>(4, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n);
+      });
+    }
+    start = end;
+  }
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(specter_native, m) { m.def("grouped_rows(Tensor x, Tensor w, Tensor ends) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(specter_native, CPU, m) { m.impl("grouped_rows", &grouped_rows); }

@@ -1,0 +1,86 @@
+"""Specter's native CPU kernels (``csrc/``), built together once per machine into one extension.
+
+Contract:
+- ``available() -> bool`` builds the extension on first call (``torch.utils.cpp_extension.load``
+  with a C++ compiler and ninja, a dependency; about 20 s, then cached in torch's extensions
+  directory) and says whether it is usable: the CPU has AVX2 and the build (with ``-mavx2
+  -mfma``) succeeded. ``unavailable_reason()`` says why not (None when available). The
+  environment variable ``SPECTER_NATIVE_INT4=0`` turns the native kernels off (every caller then
+  takes its PyTorch path). Nothing is built at import.
+- The ops, each a ``torch.ops.specter_native`` dispatcher op with a fake implementation (compiled
+  graphs call them as extern kernels): ``int4_gemv`` (``specter.kernels.int4_native``, the INT4
+  draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("specter.kernels")
+NAME = "specter_native"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemv.cpp", "grouped_rows.cpp")]
+_lock = threading.Lock()
+_state: dict[str, str | None] = {}  # "reason": None once built and usable, else why not
+
+
+def _build() -> str | None:
+    if os.environ.get("SPECTER_NATIVE_INT4", "") == "0":
+        return "turned off (SPECTER_NATIVE_INT4=0)"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the CPU's vector capability is {capability}, the kernel needs AVX2"
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        _put_ninja_on_path()
+        built = (Path(_get_build_directory(NAME, verbose=False)) / f"{NAME}.so").exists()
+        (log.info if built else log.warning)("building Specter's native CPU kernels (once per machine, about 20 s) ...")
+        load(NAME, [str(source) for source in SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma"],
+             is_python_module=False, verbose=False)
+    except Exception as error:  # no compiler, no ninja, a failed build: the int4pack kernel serves
+        return f"the build failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})"
+    torch.library.register_fake("specter_native::int4_gemv")(_fake_gemv)
+    torch.library.register_fake("specter_native::grouped_rows")(_fake_grouped_rows)
+    return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch's extension loader runs ``ninja`` from PATH; the ``ninja`` package (a dependency)
+    installs it beside the interpreter, which is not on PATH when the venv is not activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _fake_gemv(x: Tensor, packed: Tensor, scales: Tensor, group: int) -> Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def _fake_grouped_rows(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot be used here (None: they can); builds them on first call."""
+    with _lock:
+        if "reason" not in _state:
+            _state["reason"] = _build()
+            if _state["reason"] is not None:
+                log.info("Specter's native CPU kernels are not used: %s", _state["reason"])
+        return _state["reason"]
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+

@@ -1,0 +1,63 @@
+"""Specter's grouped float32 rows kernel: each row group against its own weight, exactly the
+float64 reference to float32 rounding; what it refuses; when it serves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specter.kernels import native, native_rows
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    out, start = [], 0
+    for group, end in enumerate(ends.tolist()):
+        out.append(x[start:end].double() @ w[group].double().T)
+        start = end
+    return torch.cat(out)
+
+
+@needs_native
+@pytest.mark.parametrize("counts", [[1], [0, 2, 0, 1], [5, 0, 3], [8, 1, 0, 0, 6], [0, 0, 0, 9]])
+@pytest.mark.parametrize("k", [16, 48, 256])
+def test_every_group_meets_its_own_weight(counts: list[int], k: int) -> None:
+    gen = torch.Generator().manual_seed(len(counts) * 100 + k)
+    w = torch.randn(len(counts), 40, k, generator=gen)
+    ends = torch.tensor(counts).cumsum(0)
+    x = torch.randn(int(ends[-1]), k, generator=gen)
+    out = native_rows.grouped_rows(x, w, ends)
+    assert out.shape == (x.shape[0], 40) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(x, w, ends), rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_bad_shapes_are_refused_with_the_reason() -> None:
+    w = torch.randn(2, 8, 32)
+    with pytest.raises(RuntimeError, match="ends\\[-1\\] must equal"):
+        native_rows.grouped_rows(torch.randn(3, 32), w, torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        native_rows.grouped_rows(torch.randn(3, 32), w, torch.tensor([4, 3]))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        native_rows.grouped_rows(torch.randn(3, 24), torch.randn(2, 8, 24), torch.tensor([1, 3]))
+
+
+def test_serves_only_float32_cpu_weights_it_can_tile(monkeypatch) -> None:
+    x = torch.randn(2, 32)
+    monkeypatch.setattr(native, "available", lambda: True)
+    assert native_rows.serves(x, torch.randn(3, 8, 32), torch.randn(3, 32, 16))
+    assert not native_rows.serves(x, torch.randn(3, 8, 24))  # K not a multiple of 16
+    assert not native_rows.serves(x.bfloat16(), torch.randn(3, 8, 32).bfloat16())
+    assert not native_rows.serves(x, torch.randn(3, 32, 8).transpose(1, 2))  # not contiguous
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert not native_rows.serves(x, torch.randn(3, 8, 32))
+
+
+@needs_native
+def test_compiled_graphs_call_it_as_an_extern_kernel() -> None:
+    torch._dynamo.reset()
+    w, ends = torch.randn(3, 8, 32), torch.tensor([1, 1, 4])
+    compiled = torch.compile(lambda x: native_rows.grouped_rows(x * 2, w, ends), fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(compiled(x), native_rows.grouped_rows(x * 2, w, ends))
