@@ -16,8 +16,9 @@ Contract:
 - Paths, chosen on the host before each step:
   * fused (one graph, no host inside, ``fullgraph=True``): decode (T = 1), verification
     (2 <= T <= ``fused_max_tokens``, T a dynamic dimension) and the draft step (T = 1). Experts:
-    the layer's own weights, or cache slots found by reading ``slot_table`` on the device, or the
-    INT4 draft experts. A cache step also returns whether a needed expert was absent; then the
+    the layer's own weights, or cache slots found by reading ``slot_table`` on the device (on a
+    CPU in float32, through the native grouped kernel: each chosen expert read once for all its
+    tokens; else per (token, slot) pair), or the INT4 draft experts. A cache step also returns whether a needed expert was absent; then the
     result is discarded and the step reruns on the layered path (it rewrites the same KV
     positions). Transfers in flight are waited for first (``cache.drain``): the graph reads
     READY slots only.

@@ -10,7 +10,16 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
+from specter.kernels import native_rows
+from specter.kernels.grouped_experts import native_grouped_experts
 from specter.kernels.slot_experts import gather_experts, slots_for
+
+
+def _pairs_kernel(x_like: Tensor, gate_up: Tensor, down: Tensor):
+    """The experts kernel a graph traces: Specter's grouped native rows (each chosen expert read
+    once for all its tokens) where they serve these weights, else ``gather_experts`` (per pair)."""
+    return native_grouped_experts if native_rows.serves(x_like, gate_up, down) else gather_experts
+
 
 @dataclasses.dataclass
 class CompileStats:
@@ -34,9 +43,11 @@ class OwnExperts:
         self.gate_up = [m.gate_up_proj for m in modules]  # [E, 2I, H] each
         self.down = [m.down_proj for m in modules]  # [E, H, I] each
         self.apply_gate = modules[0]._apply_gate
+        probe = self.gate_up[0].new_zeros(1, self.gate_up[0].shape[-1])
+        self.kernel = _pairs_kernel(probe, self.gate_up[0], self.down[0])
 
     def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
-        y = gather_experts(x, top_k_index, top_k_weights, self.gate_up[row], self.down[row], self.apply_gate)
+        y = self.kernel(x, top_k_index, top_k_weights, self.gate_up[row], self.down[row], self.apply_gate)
         return y, None
 
 
@@ -48,10 +59,11 @@ class SlotExperts:
         self.gate_up = cache.slots["gate_up_proj"]  # [n_slots, 2I, H]
         self.down = cache.slots["down_proj"]  # [n_slots, H, I]
         self.apply_gate = module._apply_gate
+        self.kernel = _pairs_kernel(self.gate_up.new_zeros(1, self.gate_up.shape[-1]), self.gate_up, self.down)
 
     def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
         slots, missing = slots_for(self.table[row], top_k_index)
-        return gather_experts(x, slots, top_k_weights, self.gate_up, self.down, self.apply_gate), missing
+        return self.kernel(x, slots, top_k_weights, self.gate_up, self.down, self.apply_gate), missing
 
 
 class CompiledDraftExperts:
@@ -66,10 +78,10 @@ class CompiledDraftExperts:
 
 class PathChooser:
     """Picks the faster path (``fused`` or ``layered``) for draft steps and for cache target steps
-    of each width by
-    measuring both: a fused cache step waits for every transfer in flight and reruns layered when
-    an expert is missing, and reads experts per (token, slot) pair, while the layered path
-    overlaps transfers with earlier layers and reads each distinct expert once; which wins
+    of each width by measuring both: a fused cache step waits for every transfer in flight and
+    reruns layered when an expert is missing (it reads each distinct expert once with the native
+    grouped kernel, else once per (token, slot) pair), while the layered path overlaps transfers
+    with earlier layers and reads each distinct expert once; which wins
     depends on the cache, the link and the expert size. Each width tries both paths ``TRIALS``
     times, then takes the lower moving average, trying the other path again every ``RECHECK``
     steps of that width. ``begin_round(key)`` instead holds one choice for every step of ``key``

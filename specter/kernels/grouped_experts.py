@@ -17,7 +17,8 @@ Contract:
 - On a CPU in float32 where Specter's native kernels build (``specter.kernels.native_rows``), both
   projections are one ``grouped_rows`` call each over the pairs sorted by expert (no padding, no
   transposes): each expert's weight rows are read once for its 1-8 tokens at 7-8 GB/s, against
-  2.6 ms per 12 MiB expert through ``_grouped_mm`` (above). Elsewhere the ``_grouped_mm`` form.
+  2.6 ms per 12 MiB expert through ``_grouped_mm`` (above). Elsewhere, and when autograd records
+  (the native kernel has no backward), the ``_grouped_mm`` form.
 - Numerics: float32 accumulation inside each product as in the model's own path, but a different
   summation order, so results agree with transformers' kernel to rounding, not bit for bit.
 - ``supports(module)``: whether a transformers experts module has the layout this kernel covers
@@ -45,8 +46,8 @@ def supports(module: nn.Module) -> bool:
 def grouped_experts(
     x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate
 ) -> Tensor:
-    if native_rows.serves(x, gate_up, down):
-        return _native_grouped_experts(x, ids, weights, gate_up, down, apply_gate)
+    if native_rows.serves(x, gate_up, down) and not _needs_grad(x, weights, gate_up, down):
+        return native_grouped_experts(x, ids, weights, gate_up, down, apply_gate)
     n_tokens, top_k = ids.shape
     n_groups = gate_up.shape[0]
     pairs = ids.reshape(-1)
@@ -70,16 +71,24 @@ def grouped_experts(
     return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
-def _native_grouped_experts(
+def _needs_grad(*tensors: Tensor) -> bool:
+    """The native kernel has no backward: autograd takes the ``_grouped_mm`` form."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def native_grouped_experts(
     x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate
 ) -> Tensor:
+    """``grouped_experts`` through ``native_rows.grouped_rows`` (``native_rows.serves`` must hold).
+    Static shapes only (the group ends come from a scatter-add over the stacked experts), so a
+    compiled graph traces it whole and new ``ids`` never recompile."""
     n_tokens, top_k = ids.shape
     pairs = ids.reshape(-1)
-    sorted_ids, order = torch.sort(pairs, stable=True)  # pairs grouped by expert
-    ends = torch.bincount(sorted_ids, minlength=gate_up.shape[0]).cumsum(0)
+    order = torch.sort(pairs, stable=True).indices  # pairs grouped by expert
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=ids.device)
+    ends = counts.scatter_add(0, pairs, torch.ones_like(pairs)).cumsum(0)
     hidden = apply_gate(native_rows.grouped_rows(x[order // top_k], gate_up, ends))  # [pairs, I]
     out = native_rows.grouped_rows(hidden, down, ends)  # [pairs, H]
     out = out * weights.reshape(-1)[order].unsqueeze(-1)
-    unsorted = torch.empty_like(out)
-    unsorted[order] = out
+    unsorted = torch.zeros_like(out).index_copy(0, order, out)
     return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
