@@ -66,11 +66,14 @@ class PrefetchScheduler:
         self._window: list[ExpertKey] = []  # the first ``capacity`` of them: the protected set
         self._active = False
         self._frontier = -1  # the MoE layer verification has reached this round
+        self._ahead_version = 0  # bumped whenever ``_ahead`` changes
+        self._hinted_version = -1  # the ``_ahead`` the policy last received as hints
         self.issue_s = 0.0  # seconds spent issuing prefetches (a synchronous link copies here)
 
     def begin_round(self) -> None:
         self._predicted.clear()
         self._ahead, self._window = [], []
+        self._ahead_version += 1
         self._active = True
         self._frontier = -1
 
@@ -105,6 +108,7 @@ class PrefetchScheduler:
         a prediction or the frontier changed, and make the window exactly the cache's protected
         set."""
         self._ahead = [k for k in self.ordered(self._predicted) if k[0] >= self._frontier]
+        self._ahead_version += 1
         self._window = self._ahead[: self.cache.capacity]
         self.cache.unprotect_all()
         self.cache.protect(self._window)
@@ -129,10 +133,16 @@ class PrefetchScheduler:
         return issued
 
     def _send_hints(self) -> None:
+        """The predictions ahead, in need order, to the cache policy (once per change of them)."""
+        if self._hinted_version == self._ahead_version:
+            return
+        self._hinted_version = self._ahead_version
         call_plugin("cache_policy", self.cache.policy, "on_hints",
                     [(key, self._predicted[key]) for key in self._ahead])
 
     def pump(self) -> None:
+        if self.cache.in_flight >= self.max_in_flight:
+            return  # nothing could be issued now; the next pump (or flush) looks again
         missing = self._missing()
         if missing:
             self._send_hints()  # the policy judges this round's prefetches by this round's buffer
@@ -174,4 +184,5 @@ class PrefetchScheduler:
         self.cache.unprotect_all()
         self._predicted.clear()
         self._ahead, self._window = [], []
+        self._ahead_version += 1
         self._active = False

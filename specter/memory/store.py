@@ -10,6 +10,8 @@ asynchronous while the peak extra RAM stays at one tensor.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Mapping
 
 import torch
@@ -61,9 +63,9 @@ class ExpertStore:
     def dtype(self) -> torch.dtype:
         return self._dtype
 
-    @property
+    @functools.cached_property
     def expert_bytes(self) -> int:
-        return expert_nbytes(self._param_shapes, self._dtype)
+        return expert_nbytes(self._param_shapes, self._dtype)  # shapes and dtype never change
 
     @property
     def total_bytes(self) -> int:
