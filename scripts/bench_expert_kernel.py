@@ -1,10 +1,13 @@
 """Times one MoE layer's experts on the CPU: transformers' grouped_mm_experts_forward against
-Specter's grouped kernel (specter.kernels.grouped_experts), over cache-sized slot tensors.
+Specter's grouped kernel (specter.kernels.grouped_experts) in its two forms, the
+``torch._grouped_mm`` one and the native one (``specter.kernels.native_rows``, where it builds),
+over cache-sized slot tensors.
 
 Run: python scripts/bench_expert_kernel.py [--threads 1] [--slots 32] [--hidden 256] [--inter 4096]
 Prints, per token count T (top-2 routing, distinct random experts per token), the milliseconds per
-layer of both kernels, their ratio and the milliseconds per distinct expert read. Weights are
-float32 and spread over more memory than the CPU caches hold, as a decode step reads them.
+layer of each kernel, transformers' time over the native one and the milliseconds per distinct
+expert read of each Specter form. Weights are float32 and spread over more memory than the CPU
+caches hold, as a decode step reads them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.moe import grouped_mm_experts_forward
 
+from specter.kernels import native
 from specter.kernels.grouped_experts import grouped_experts
 
 
@@ -58,16 +62,25 @@ def main() -> None:
                              torch.randn(args.slots, args.hidden, args.inter, generator=gen) * 0.02)
     expert_mib = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * 4 / 2**20
     print(f"threads {args.threads}, {args.slots} slots of {expert_mib:.1f} MiB (fp32 experts), top-2")
-    print("T  distinct  transformers ms  specter ms  speed-up  specter ms/expert")
+    has_native = native.available()
+    if not has_native:
+        print(f"native kernel unavailable ({native.unavailable_reason()}): its column repeats the grouped_mm form")
+    print("T  distinct  transformers ms  grouped_mm ms  native ms  speed-up  ms/expert grouped_mm  native")
     for tokens in (1, 2, 3, 5, 9):
         ids = torch.stack([torch.randperm(args.slots, generator=gen)[:2] for _ in range(tokens)])
         x, weights = torch.randn(tokens, args.hidden, generator=gen), torch.rand(tokens, 2, generator=gen)
+
+        def ours() -> torch.Tensor:
+            return grouped_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj, experts._apply_gate)
+
         with torch.no_grad():
             theirs = median_ms(lambda: grouped_mm_experts_forward(experts, x, ids, weights))
-            ours = median_ms(lambda: grouped_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
-                                                     experts._apply_gate))
+            with_native = median_ms(ours)
+            with native.disabled():  # the grouped_mm form
+                without = median_ms(ours)
         distinct = ids.unique().numel()
-        print(f"{tokens:<2} {distinct:>8}  {theirs:>15.2f}  {ours:>10.2f}  {theirs / ours:>7.2f}x  {ours / distinct:>17.3f}")
+        print(f"{tokens:<2} {distinct:>8}  {theirs:>15.2f}  {without:>13.2f}  {with_native:>9.2f}  "
+              f"{theirs / with_native:>7.2f}x  {without / distinct:>20.3f}  {with_native / distinct:>6.3f}")
 
 
 if __name__ == "__main__":

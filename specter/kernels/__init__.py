@@ -4,8 +4,10 @@ dequantizing reference elsewhere). ``int4_experts``: INT4 copies of a
 transformers MoE layer's routed experts, the resident draft. ``int4_rows``: the custom op that
 runs rows through their own experts' INT4 weights in place (compiled draft steps on a CPU).
 ``grouped_experts``: a layer's chosen full-precision experts in one grouped pass over stacked
-weights (cache slots), the CPU path. ``slot_experts``: the compiled paths' gather over the slot
-table."""
+weights (cache slots), the CPU path, through ``native_rows`` (Specter's grouped float32 kernel)
+where it builds. ``native``: builds Specter's native CPU kernels (``csrc/``) once per machine.
+``slot_experts``: the compiled paths' gather over the slot table where the native kernel does not
+serve."""
 
 from specter.kernels.int4 import Int4Weight, quantize_int4
 from specter.kernels.int4_experts import Int4Experts, quantize_model_experts

@@ -6,7 +6,8 @@ Contract:
   directory) and says whether it is usable: the CPU has AVX2 and the build (with ``-mavx2
   -mfma``) succeeded. ``unavailable_reason()`` says why not (None when available). The
   environment variable ``SPECTER_NATIVE_INT4=0`` turns the native kernels off (every caller then
-  takes its PyTorch path). Nothing is built at import.
+  takes its PyTorch path). Nothing is built at import. ``disabled()``: a context in which
+  ``available()`` is False (A/B timings; not thread-safe against concurrent model code).
 - The ops, each a ``torch.ops.specter_native`` dispatcher op with a fake implementation (compiled
   graphs call them as extern kernels): ``int4_gemv`` (``specter.kernels.int4_native``, the INT4
   draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts).
@@ -14,11 +15,13 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -82,5 +85,16 @@ def unavailable_reason() -> str | None:
 
 def available() -> bool:
     return unavailable_reason() is None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """``available()`` is False inside the block; the previous state is restored after it."""
+    previous = unavailable_reason()
+    _state["reason"] = "switched off (native.disabled())"
+    try:
+        yield
+    finally:
+        _state["reason"] = previous
 
 

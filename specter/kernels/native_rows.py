@@ -12,7 +12,7 @@ Contract:
 Why: on this project's CPU (one thread) MKL's ``x @ W^T`` for an [8192, 256] fp32 weight ran at
 6.2 GB/s for one row but 2.8-3.3 GB/s for 2-5 rows (it packs the weight first), and
 ``torch._grouped_mm`` over six experts of 1-2 rows each took 2.6 ms per expert's 12 MiB; this
-kernel 1.7 ms (7.4-7.8 GB/s; ``scripts/grouped_rows.py``).
+kernel 1.7 ms (7.4-7.8 GB/s; ``scripts/bench_expert_kernel.py`` times both forms).
 """
 
 from __future__ import annotations

@@ -61,3 +61,11 @@ def test_compiled_graphs_call_it_as_an_extern_kernel() -> None:
     compiled = torch.compile(lambda x: native_rows.grouped_rows(x * 2, w, ends), fullgraph=True, backend="aot_eager")
     x = torch.randn(4, 32)
     torch.testing.assert_close(compiled(x), native_rows.grouped_rows(x * 2, w, ends))
+
+
+def test_disabled_switches_the_native_kernels_off_for_a_block() -> None:
+    before = native.unavailable_reason()
+    with native.disabled():
+        assert not native.available() and "disabled" in native.unavailable_reason()
+        assert not native_rows.serves(torch.zeros(1, 32), torch.zeros(2, 8, 32))
+    assert native.unavailable_reason() == before
