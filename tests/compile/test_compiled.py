@@ -58,9 +58,11 @@ def test_compiled_resident_matches_eager(checkpoint, eager_resident):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine_name", ["ondemand", "specter", "router-lookahead"])
 def test_compiled_offloaded_engines_match_eager(checkpoint, eager_resident, engine_name):
-    eager = specter.load(recipe(checkpoint, engine_name, compile=False))
+    # synchronous copies: with a copy thread, which prefetch finds room depends on when copies end
+    synchronous = {"kind": "local", "options": {"copy_thread": False}}
+    eager = specter.load(recipe(checkpoint, engine_name, compile=False, link=synchronous))
     eager_report = eager.generate(PROMPTS).report
-    engine = specter.load(recipe(checkpoint, engine_name, compile=True))
+    engine = specter.load(recipe(checkpoint, engine_name, compile=True, link=synchronous))
     report = engine.generate(PROMPTS).report
     assert [o["token_ids"] for o in report["outputs"]] == eager_resident
     assert report["compile"]["late_graphs"] == 0
