@@ -38,7 +38,7 @@ def _build() -> str | None:
         return "turned off (SPECTER_NATIVE_INT4=0)"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        return f"the CPU's vector capability is {capability}, the kernel needs AVX2"
+        return f"the CPU's vector capability is {capability}, the kernels need AVX2"
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
@@ -47,7 +47,7 @@ def _build() -> str | None:
         (log.info if built else log.warning)("building Specter's native CPU kernels (once per machine, about 20 s) ...")
         load(NAME, [str(source) for source in SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma"],
              is_python_module=False, verbose=False)
-    except Exception as error:  # no compiler, no ninja, a failed build: the int4pack kernel serves
+    except Exception as error:  # no compiler, no ninja, a failed build: PyTorch's kernels serve
         return f"the build failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})"
     torch.library.register_fake("specter_native::int4_gemv")(_fake_gemv)
     torch.library.register_fake("specter_native::grouped_rows")(_fake_grouped_rows)
