@@ -9,8 +9,8 @@ Contract:
   takes its PyTorch path). Nothing is built at import. ``disabled()``: a context in which
   ``available()`` is False (A/B timings; not thread-safe against concurrent model code).
 - The ops, each a ``torch.ops.specter_native`` dispatcher op with a fake implementation (compiled
-  graphs call them as extern kernels): ``int4_gemv`` (``specter.kernels.int4_native``, the INT4
-  draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts).
+  graphs call them as extern kernels): ``int4_gemv`` and ``int4_rows`` (``specter.kernels.int4_native``,
+  the INT4 draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def _build() -> str | None:
         return f"the build failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})"
     torch.library.register_fake("specter_native::int4_gemv")(_fake_gemv)
     torch.library.register_fake("specter_native::grouped_rows")(_fake_grouped_rows)
+    torch.library.register_fake("specter_native::int4_rows")(_fake_int4_rows)
     return None
 
 
@@ -67,6 +68,10 @@ def _put_ninja_on_path() -> None:
 
 def _fake_gemv(x: Tensor, packed: Tensor, scales: Tensor, group: int) -> Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def _fake_int4_rows(x: Tensor, packed: Tensor, scales: Tensor, ids: Tensor, group: int) -> Tensor:
+    return x.new_empty(x.shape[0], packed.shape[1])
 
 
 def _fake_grouped_rows(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:

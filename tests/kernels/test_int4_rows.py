@@ -59,3 +59,20 @@ def test_one_opaque_op_inside_a_fullgraph_compiled_graph(backend: str) -> None:
         torch.testing.assert_close(compiled(x, torch.tensor([4, 0])), step(x, torch.tensor([4, 0])))
     assert counters["stats"]["unique_graphs"] == graphs  # other experts: the same graph
     assert sum(counters["graph_break"].values()) == breaks
+
+
+def test_the_native_row_loop_equals_the_kernel_row_by_row() -> None:
+    from specter.kernels import int4_native
+
+    if not int4_native.available():
+        pytest.skip(f"native kernels: {int4_native.unavailable_reason()}")
+    packed, scales = stacked_weights("cpu-native")
+    x = torch.randn(5, K)
+    ids = torch.tensor([4, 0, 4, 2, 1])
+    out = int4_native.rows(x, packed, scales, ids, GROUP)
+    torch.testing.assert_close(out, per_row(x, packed, scales, ids, "cpu-native"), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="expert id out of range"):
+        int4_native.rows(x[:1], packed, scales, torch.tensor([EXPERTS]), GROUP)
+    compiled = torch.compile(lambda v, i: int4_native.rows(v * 2.0, packed, scales, i, GROUP), fullgraph=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x, ids), int4_native.rows(x * 2.0, packed, scales, ids, GROUP))

@@ -99,8 +99,57 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return out;
 }
 
-TORCH_LIBRARY(specter_native, m) {
-  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales, int group) -> Tensor");
+// Row s of x through expert ids[s]'s weights (packed [E, N, K/2], scales [E, N, K/group]): the
+// draft's (token, slot) rows, each against its own expert, in one call (the loop a Python op ran).
+at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& ids, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int4_rows: x must be a contiguous float32 [S, K] tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "int4_rows: packed must be a contiguous uint8 [E, N, K/2] tensor");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "int4_rows: scales must be a contiguous float32 [E, N, K/group] tensor");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
+              "int4_rows: ids must be an int64 [S] tensor, one expert per row of x");
+  const int64_t rows = x.size(0), k = x.size(1), experts = packed.size(0), n = packed.size(1);
+  TORCH_CHECK(k % kChunk == 0 && group % kChunk == 0 && k % group == 0,
+              "int4_rows: K and group must be multiples of 64 (and K of group)");
+  TORCH_CHECK(packed.size(2) * 2 == k && scales.size(0) == experts && scales.size(1) == n &&
+                  scales.size(2) == k / group,
+              "int4_rows: packed / scales shapes do not match x");
+  auto ids_c = ids.contiguous();
+  const int64_t* ip = ids_c.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < experts, "int4_rows: expert id out of range");
+  auto out = at::empty({rows, n}, x.options());
+  const int64_t chunks = k / kChunk, chunks_per_group = group / kChunk;
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> xs(rows * chunks);
+  std::vector<int32_t> xsum(rows * chunks);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    quantize_row(xp + r * k, k, xq.data() + r * k, xs.data() + r * chunks, xsum.data() + r * chunks);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* we = wp + ip[r] * n * (k / 2);
+    const float* se = sp + ip[r] * n * (k / group);
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        op[r * n + i] = row_dot(we + i * (k / 2), se + i * (k / group), chunks, chunks_per_group,
+                                xq.data() + r * k, xs.data() + r * chunks, xsum.data() + r * chunks);
+    });
+  }
+  return out;
 }
 
-TORCH_LIBRARY_IMPL(specter_native, CPU, m) { m.impl("int4_gemv", &int4_gemv); }
+TORCH_LIBRARY(specter_native, m) {
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales, int group) -> Tensor");
+  m.def("int4_rows(Tensor x, Tensor packed, Tensor scales, Tensor ids, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_rows", &int4_rows);
+}
