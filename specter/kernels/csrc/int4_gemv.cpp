@@ -65,6 +65,25 @@ inline float row_dot(const uint8_t* w, const float* ws, int64_t chunks, int64_t 
   return _mm_cvtss_f32(one) - offset;
 }
 
+// x [rows, K] quantized once per call (int8 per chunk, a scale and a sum per chunk);
+// dot(r, w, ws, i) = row r against weight row i of (w [N, K/2], ws [N, K/group]).
+struct QuantizedRows {
+  int64_t k, chunks, chunks_per_group, group;
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  QuantizedRows(const float* x, int64_t rows, int64_t k_, int64_t group_)
+      : k(k_), chunks(k_ / kChunk), chunks_per_group(group_ / kChunk), group(group_),
+        q(rows * k_), scale(rows * (k_ / kChunk)), sum(rows * (k_ / kChunk)) {
+    for (int64_t r = 0; r < rows; ++r)
+      quantize_row(x + r * k, k, q.data() + r * k, scale.data() + r * chunks, sum.data() + r * chunks);
+  }
+  float dot(int64_t r, const uint8_t* w, const float* ws, int64_t i) const {
+    return row_dot(w + i * (k / 2), ws + i * (k / group), chunks, chunks_per_group, q.data() + r * k,
+                   scale.data() + r * chunks, sum.data() + r * chunks);
+  }
+};
+
 }  // namespace
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group) {
@@ -80,21 +99,13 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(packed.size(1) * 2 == k && scales.size(0) == n && scales.size(1) == k / group,
               "int4_gemv: packed / scales shapes do not match x");
   auto out = at::empty({m, n}, x.options());
-  const int64_t chunks = k / kChunk, chunks_per_group = group / kChunk;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xs(m * chunks);
-  std::vector<int32_t> xsum(m * chunks);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < m; ++r)
-    quantize_row(xp + r * k, k, xq.data() + r * k, xs.data() + r * chunks, xsum.data() + r * chunks);
+  const QuantizedRows xq(x.data_ptr<float>(), m, k, group);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t i = begin; i < end; ++i)
-        op[r * n + i] = row_dot(wp + i * (k / 2), sp + i * (k / group), chunks, chunks_per_group,
-                                xq.data() + r * k, xs.data() + r * chunks, xsum.data() + r * chunks);
+      for (int64_t i = begin; i < end; ++i) op[r * n + i] = xq.dot(r, wp, sp, i);
   });
   return out;
 }
@@ -122,13 +133,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, const at::Te
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(ip[r] >= 0 && ip[r] < experts, "int4_rows: expert id out of range");
   auto out = at::empty({rows, n}, x.options());
-  const int64_t chunks = k / kChunk, chunks_per_group = group / kChunk;
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> xs(rows * chunks);
-  std::vector<int32_t> xsum(rows * chunks);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    quantize_row(xp + r * k, k, xq.data() + r * k, xs.data() + r * chunks, xsum.data() + r * chunks);
+  const QuantizedRows xq(x.data_ptr<float>(), rows, k, group);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -136,9 +141,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, const at::Te
     const uint8_t* we = wp + ip[r] * n * (k / 2);
     const float* se = sp + ip[r] * n * (k / group);
     at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        op[r * n + i] = row_dot(we + i * (k / 2), se + i * (k / group), chunks, chunks_per_group,
-                                xq.data() + r * k, xs.data() + r * chunks, xsum.data() + r * chunks);
+      for (int64_t i = begin; i < end; ++i) op[r * n + i] = xq.dot(r, we, se, i);
     });
   }
   return out;
