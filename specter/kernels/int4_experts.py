@@ -33,9 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from specter.kernels import int4_native
 from specter.kernels.int4 import Backend, Int4Weight, choose_backend, int4_matmul, kernel_dtype, quantize_int4
-from specter.kernels.int4_rows import IN_PLACE_BACKENDS, int4_rows
+from specter.kernels.int4_rows import IN_PLACE_BACKENDS, rows_in_place
 
 
 def _stacked_int4(
@@ -219,25 +218,17 @@ class Int4Experts:
             y = y + self.down_bias[expert_ids].to(y.dtype)
         return self._combine(y, top_k_weights, hidden.dtype)
 
-    def _int4_rows(self, x: Tensor, packed: Tensor, scales: Tensor, expert_ids: Tensor, group_size: int,
-                   out_features: int) -> Tensor:
-        """Rows through their own experts: the native kernel's row loop (one C++ op) on cpu-native,
-        else ``specter::int4_rows`` (a Python op looping over rows: 167 us a call in a compiled
-        draft step on this project's CPU, of 330 us with its kernels)."""
-        if self.backend == "cpu-native":
-            return int4_native.rows(x, packed, scales, expert_ids, group_size).to(x.dtype)
-        return int4_rows(x, packed, scales, expert_ids, group_size, out_features, self.backend)
-
     def _rows_in_place(self, x: Tensor, expert_ids: Tensor, top_k_weights: Tensor, dtype: torch.dtype) -> Tensor:
         """``forward_gather`` on the CPU: the (token, slot) rows ``x [S, H]`` through their experts'
         packed weights in place (``specter::int4_rows``, one opaque op per matrix, no copies)."""
         up, down = self.up[0], self.down[0]
-        h = self._int4_rows(x, self.up_packed, self.up_scales, expert_ids, up.group_size, up.out_features)  # [S, 2I]
+        h = rows_in_place(x, self.up_packed, self.up_scales, expert_ids, up.group_size, up.out_features,
+                          self.backend)  # [S, 2I]
         if self.up_bias is not None:
             h = h + self.up_bias[expert_ids].to(h.dtype)
         h = self._activate(h)  # [S, I]
-        y = self._int4_rows(h, self.down_packed, self.down_scales, expert_ids, down.group_size,
-                            down.out_features)  # [S, H]
+        y = rows_in_place(h, self.down_packed, self.down_scales, expert_ids, down.group_size,
+                          down.out_features, self.backend)  # [S, H]
         if self.down_bias is not None:
             y = y + self.down_bias[expert_ids].to(y.dtype)
         return self._combine(y, top_k_weights, dtype)

@@ -9,7 +9,9 @@ rows, one token's top-k, are distinct experts). It is the torch custom op ``spec
 with a fake implementation, so a ``fullgraph=True`` compiled graph calls it as one opaque node
 rather than gathering every chosen expert's weights into a copy (what
 ``Int4Experts.forward_gather`` does on other backends). CPU tensors only: the expert ids are read
-on the host, which on a CUDA device would synchronise the stream inside a graph.
+on the host, which on a CUDA device would synchronise the stream inside a graph. On
+``cpu-native`` the op runs the native row op (``int4_native.rows``); ``rows_in_place`` (what
+``Int4Experts`` calls) goes to it directly, without the Python op in between.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specter.kernels import int4_native
 from specter.kernels.int4 import int4_matmul, kernel_dtype
 
 IN_PLACE_BACKENDS = ("cpu-native", "cpu-int4pack")
@@ -29,11 +32,23 @@ def int4_rows(x: Tensor, packed: Tensor, scales: Tensor, expert_ids: Tensor, gro
         raise ValueError(f"specter::int4_rows runs on CPU tensors only, got {x.device}")
     if backend not in IN_PLACE_BACKENDS:
         raise ValueError(f"specter::int4_rows reads {' or '.join(IN_PLACE_BACKENDS)} weights, got {backend!r}")
+    if backend == "cpu-native":
+        return int4_native.rows(x, packed, scales, expert_ids, group_size).to(x.dtype)
     xk = x.to(kernel_dtype(backend, x.dtype)).contiguous()  # cast once, not per row
     shape = (out_features, x.shape[1])
     parts = [int4_matmul(xk[s : s + 1], packed[e], scales[e], backend, shape, group_size)
              for s, e in enumerate(expert_ids.tolist())]
     return torch.cat(parts).to(x.dtype)
+
+
+def rows_in_place(x: Tensor, packed: Tensor, scales: Tensor, expert_ids: Tensor, group_size: int,
+                  out_features: int, backend: str) -> Tensor:
+    """``int4_rows``' result; on cpu-native straight through the native row op
+    (``specter_native::int4_rows``), without the Python custom op between a compiled graph and the
+    kernel (167 us a call in a compiled draft step on this project's CPU)."""
+    if backend == "cpu-native":
+        return int4_native.rows(x, packed, scales, expert_ids, group_size).to(x.dtype)
+    return int4_rows(x, packed, scales, expert_ids, group_size, out_features, backend)
 
 
 @int4_rows.register_fake
