@@ -117,7 +117,8 @@ def test_grouped_static_masked_and_gather_paths_agree(arch: str, tokens: int) ->
     hidden, index, weights = routing(tokens, seed=tokens)
     with torch.no_grad():
         grouped = int4.forward_grouped(hidden, index, weights)
-        for path in (int4.forward_static, int4.forward_masked, int4.forward_gather):
+        one_token = (int4.forward_one_token,) if tokens == 1 else ()  # the per-expert single-token form
+        for path in (int4.forward_static, int4.forward_masked, int4.forward_gather, *one_token):
             torch.testing.assert_close(path(hidden, index, weights), grouped, rtol=1e-4, atol=1e-6)
 
 
