@@ -1,7 +1,8 @@
 """The prefetch scheduler: turns expert predictions into ordered prefetches under the budget.
 
 Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
-1. ``begin_round()``; predictions arrive through ``add(layer, experts, confidences)``. The
+1. ``begin_round()``; predictions arrive through ``add(layer, experts, confidences)`` (or
+   ``add_many`` of several such, with one window update for all). The
    round's predictions are kept in need order (layer, then confidence); the first ``capacity``
    of those not yet verified form the *window*. Every window key is protected (no prefetch may
    evict it); a window key already cached needs nothing else.
@@ -78,8 +79,21 @@ class PrefetchScheduler:
         self._frontier = -1
 
     def add(self, layer: int, experts: Sequence[int], confidences: Sequence[float]) -> None:
+        self.add_many([(layer, experts, confidences)])
+
+    def add_many(self, predictions: Iterable[tuple[int, Sequence[int], Sequence[float]]]) -> None:
+        """``add`` for several (layer, experts, confidences) at once: the window is recomputed
+        once for all of them (a draft step hands over all its layers' routing together)."""
         if not self._active:
             return
+        changed = False
+        for layer, experts, confidences in predictions:
+            changed |= self._record(layer, experts, confidences)
+        if changed:
+            self._protect_window()
+
+    def _record(self, layer: int, experts: Sequence[int], confidences: Sequence[float]) -> bool:
+        """Records one layer's predictions; whether any of them is new or more confident."""
         n_experts = self.cache.store.n_experts
         if layer not in self.cache.store.layers:
             raise ValueError(f"predicted layer {layer} is not an MoE layer of this model")
@@ -97,8 +111,7 @@ class PrefetchScheduler:
             if previous is None or float(confidence) > previous:
                 self._predicted[key] = float(confidence)
                 changed = True
-        if changed:
-            self._protect_window()
+        return changed
 
     def ordered(self, keys: Iterable[ExpertKey]) -> list[ExpertKey]:
         return sorted(keys, key=lambda k: (k[0], -self._predicted.get(k, 0.0), k[1]))

@@ -2,7 +2,10 @@
 
 Contract: while the draft runs its k steps, every MoE layer's top-k choice (and gate weight, the
 confidence) for every drafted position goes into the scheduler's lookahead buffer, and the
-scheduler is pumped so prefetches start while the draft is still running. Verification runs the
+scheduler is pumped so prefetches start while the draft is still running. A draft step's layers
+are handed over together at its last MoE layer (one host transfer of the routing, one window
+update, one pump), or as soon as a layer finds the link idle, so a round's first predictions
+start copying at once. Verification runs the
 target over the same positions, so the draft's choice at (position, layer) predicts the
 target's. Requires the speculative engine (``needs_draft``).
 """
@@ -18,9 +21,36 @@ class DraftPredictor(Predictor):
     name = "draft"
     needs_draft = True
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # this draft step's routing so far
+        self._last_layer: int | None = None
+
+    def bind(self, scheduler, layers) -> None:
+        super().bind(scheduler, layers)
+        self._last_layer = max(layers) if layers else None
+        self._pending = []
+
+    def reset(self) -> None:
+        self._pending = []
+
     def observe(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, mode: str) -> None:
         if mode != "draft" or self.scheduler is None:
             return
-        self.scheduler.add(layer, top_k_index.flatten().tolist(), top_k_weights.flatten().float().tolist())
+        self._pending.append((layer, top_k_index, top_k_weights))
+        if layer == self._last_layer or self.scheduler.cache.in_flight == 0:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """The pending layers' routing to the scheduler (one device-to-host copy), then a pump."""
+        pending, self._pending = self._pending, []
+        experts = torch.cat([index.reshape(-1) for _, index, _ in pending]).tolist()
+        confidences = torch.cat([weights.reshape(-1).float() for _, _, weights in pending]).tolist()
+        start, predictions = 0, []
+        for layer, index, _ in pending:
+            end = start + index.numel()
+            predictions.append((layer, experts[start:end], confidences[start:end]))
+            start = end
+        self.scheduler.add_many(predictions)
         self.scheduler.pump()

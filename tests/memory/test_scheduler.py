@@ -120,6 +120,24 @@ def test_phase1_cached_predictions_are_protected_counted_and_not_fetched() -> No
     assert cache.stats.prefetch_issued == 1
 
 
+def test_add_many_predicts_and_protects_what_the_same_adds_one_by_one_would() -> None:
+    predictions = [(1, [3, 4], [0.6, 0.9]), (0, [5, 2], [0.2, 0.7]), (0, [5], [0.8])]
+    states = []
+    for together in (False, True):
+        cache, link = make_cache(n_slots=3)
+        scheduler = PrefetchScheduler(cache, max_in_flight=2)
+        scheduler.begin_round()
+        if together:
+            scheduler.add_many(predictions)
+        else:
+            for prediction in predictions:
+                scheduler.add(*prediction)
+        scheduler.pump()
+        states.append((dict(scheduler._predicted), list(scheduler._window), submitted_keys(cache, link)))
+    assert states[0] == states[1]
+    assert states[1][1] == [(0, 5), (0, 2), (1, 4)]  # need order, the higher confidence of (0, 5) kept
+
+
 def test_phase2_pump_issues_in_layer_then_confidence_order_within_max_in_flight() -> None:
     cache, link = make_cache(n_slots=8)
     scheduler = PrefetchScheduler(cache, max_in_flight=2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from specter.model.layout import moe_layers
@@ -13,12 +15,17 @@ from specter.testing.zoo import random_model
 
 
 class RecordingScheduler:
-    def __init__(self) -> None:
+    def __init__(self, in_flight: int = 0) -> None:
         self.added: list[tuple[int, list[int], list[float]]] = []
         self.pumps = self.flushes = 0
+        self.cache = SimpleNamespace(in_flight=in_flight)  # transfers on the link
 
     def add(self, layer, experts, confidences) -> None:
         self.added.append((layer, list(experts), list(confidences)))
+
+    def add_many(self, predictions) -> None:
+        for prediction in predictions:
+            self.add(*prediction)
 
     def pump(self) -> None:
         self.pumps += 1
@@ -47,6 +54,21 @@ def test_draft_predictor_forwards_draft_routing_only():
     predictor.observe(2, torch.zeros(1, 8), index, weights, "draft")
     assert scheduler.added == [(2, [1, 3], [0.699999988079071, 0.30000001192092896])]
     assert scheduler.pumps == 1
+
+
+def test_draft_predictor_hands_a_step_over_at_its_last_layer_unless_the_link_is_idle():
+    predictor, scheduler = DraftPredictor(), RecordingScheduler(in_flight=1)
+    predictor.bind(scheduler, {0: None, 1: None, 3: None})
+    hidden = torch.zeros(1, 8)
+    predictor.observe(0, hidden, torch.tensor([[1, 3]]), torch.tensor([[0.5, 0.5]]), "draft")
+    predictor.observe(1, hidden, torch.tensor([[2, 0]]), torch.tensor([[0.75, 0.25]]), "draft")
+    assert scheduler.added == [] and scheduler.pumps == 0  # the link is busy: wait for the step's end
+    predictor.observe(3, hidden, torch.tensor([[4, 5]]), torch.tensor([[1.0, 0.0]]), "draft")
+    assert scheduler.added == [(0, [1, 3], [0.5, 0.5]), (1, [2, 0], [0.75, 0.25]), (3, [4, 5], [1.0, 0.0])]
+    assert scheduler.pumps == 1
+    scheduler.cache.in_flight = 0  # an idle link takes each layer's prediction at once
+    predictor.observe(0, hidden, torch.tensor([[6, 7]]), torch.tensor([[0.5, 0.5]]), "draft")
+    assert scheduler.added[-1] == (0, [6, 7], [0.5, 0.5]) and scheduler.pumps == 2
 
 
 def test_router_lookahead_uses_the_next_layers_router():
