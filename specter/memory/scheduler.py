@@ -6,7 +6,7 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    round's predictions are kept in need order (layer, then confidence); the first ``capacity``
    of those not yet verified form the *window*. Every window key is protected (no prefetch may
    evict it); a window key already cached needs nothing else.
-2. ``pump()`` (called at every layer the draft runs) issues the window's missing keys in need
+2. ``pump()`` (called as the draft's predictions arrive) issues the window's missing keys in need
    order, keeping at most ``max_in_flight`` transfers queued on the link, so a late,
    earlier-layer prediction still overtakes an early, later-layer one.
 3. ``flush()`` just before verification issues every missing window key the cache can place now.
