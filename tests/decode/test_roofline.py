@@ -299,3 +299,33 @@ def test_a_plain_round_after_a_drafted_one_does_not_make_plain_decoding_look_che
     assert chosen.count(0) < 0.15 * len(chosen)
     rate = sum(t for t, _ in log[50:]) / sum(s for _, s in log[50:])
     assert rate >= 0.95 * max(fixed_rate(Machine(0.9, 4e-3, draft=1e-3), k) for k in range(1, 9))
+
+
+class JitteryMachine(Machine):
+    """``Machine`` whose verification time is alternately 1.5x and 0.6x its mean (a slow link's spread)."""
+
+    def round(self, k: int) -> tuple[int, dict]:
+        accepted, timings = super().round(k)
+        self.turn = not getattr(self, "turn", False)
+        extra = timings["verify_s"] * (0.5 if self.turn else -0.4)
+        timings["verify_s"] += extra
+        timings["round_s"] += extra
+        return accepted, timings
+
+
+@pytest.mark.parametrize("machine, looks_around", [(Machine(0.9, 1e-3), True), (JitteryMachine(0.9, 1e-3), False)])
+def test_a_round_off_its_prediction_by_the_usual_spread_is_noise_not_a_reason_to_probe(machine, looks_around):
+    governor = RooflineGovernor(k=4)
+    drive(governor, machine, 80)
+    while governor.history[-1]["probe"] or governor._calibration:
+        drive(governor, machine, 1)
+    k = governor.next_k()
+    while governor.history[-1]["probe"]:  # a scheduled probe: judge the next chosen round
+        governor.observe(drafted=k, accepted=k, **machine.round(k)[1])
+        k = governor.next_k()
+    accepted, timings = Machine.round(machine, k)
+    slower = 0.6 * governor.predicted_round_s  # 60% above the prediction
+    timings["verify_s"] += slower
+    timings["round_s"] += slower
+    governor.observe(drafted=k, accepted=accepted, **timings)
+    assert (governor._next_probe <= governor.rounds + 2) == looks_around
