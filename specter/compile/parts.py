@@ -84,7 +84,10 @@ class PathChooser:
     with earlier layers and reads each distinct expert once; which wins
     depends on the cache, the link and the expert size. Each width tries both paths ``TRIALS``
     times, then takes the lower moving average, trying the other path again every ``RECHECK``
-    steps of that width. ``begin_round(key)`` instead holds one choice for every step of ``key``
+    steps of that width (the layered path first: it is the eager engine's own). ``trials`` counts
+    the choices of a path the evidence so far says is the slower one (or not yet measured while
+    the other is), so a caller timing a round can tell a trial's cost from the path's.
+    ``begin_round(key)`` instead holds one choice for every step of ``key``
     until ``end_round(key, seconds_per_step)``, which judges it by a cost the caller measured over
     the round (the speculative engine's draft steps: their time plus the transfer wait they left
     to verification, as a fused draft step hands its predictions to the scheduler only at its end)."""
@@ -92,6 +95,7 @@ class PathChooser:
     TRIALS, RECHECK, WEIGHT = 2, 32, 0.2
 
     def __init__(self) -> None:
+        self.trials = 0  # choices of the path known (so far) to be the slower one
         self.seconds: dict[tuple[int, str], float] = {}
         self.counts: dict[tuple[int, str], int] = {}
         self.steps: dict[int, int] = {}
@@ -113,11 +117,17 @@ class PathChooser:
         step = self.steps[width] = self.steps.get(width, 0) + 1
         fused, layered = self.counts.get((width, "fused"), 0), self.counts.get((width, "layered"), 0)
         if min(fused, layered) < self.TRIALS:
-            return "fused" if fused <= layered else "layered"
-        best = min(("fused", "layered"), key=lambda path: self.seconds[(width, path)])
-        if step % self.RECHECK == 0:
-            return "layered" if best == "fused" else "fused"
-        return best
+            path = "layered" if layered <= fused else "fused"
+        else:
+            best = min(("fused", "layered"), key=lambda path: self.seconds[(width, path)])
+            path = ("layered" if best == "fused" else "fused") if step % self.RECHECK == 0 else best
+        self.trials += self._known_slower(width, path)
+        return path
+
+    def _known_slower(self, width: int, path: str) -> bool:
+        mine = self.seconds.get((width, path))
+        theirs = self.seconds.get((width, "layered" if path == "fused" else "fused"))
+        return theirs is not None and (mine is None or mine > theirs)
 
     def observe(self, width: int, path: str, seconds: float) -> None:
         key = (width, path)

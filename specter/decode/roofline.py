@@ -53,7 +53,11 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   such a round is not measured, and k = 0 is visited (calibrated or probed) for two rounds in a
   row.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
-  ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored.
+  ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored. A round
+  whose ``path_trial`` is set (a compiled engine tried a path it had measured slower) counts for
+  acceptance only: its times are the trial's, and a width first seen through a trial (a fused
+  verification draining every transfer, 2x the layered one at width 5) would otherwise be
+  judged by it and not chosen again (compiled, 50% on ``local``: 20 plain rounds in a row).
 - ``table()`` gives, for every k, the expected accepted tokens, predicted round time and tokens/s;
   ``predicted_round_s`` is the prediction for the k last returned (None while calibrating).
 Switching speculation off (k = 0 chosen, not probed) or back on is logged once per switch
@@ -278,7 +282,7 @@ class RooflineGovernor(Governor):
                 self._announce(best)
         self.last_k = k
         self.predicted_round_s = self.round_s(k)
-        self.history.append({"k": k, "probe": probe, "cut": False, "predicted_round_s": self.predicted_round_s,
+        self.history.append({"k": k, "probe": probe, "cut": False, "trial": False, "predicted_round_s": self.predicted_round_s,
                              "measured_round_s": None})
         return k
 
@@ -321,14 +325,15 @@ class RooflineGovernor(Governor):
         # only a probe that kept every draft while speculation is off restarts the estimate (it
         # argues for speculating again); a lone surprise is left to the estimate's own shift watch
         self.acceptance.observe(drafted, accepted, kept_all_while_off)
+        trial = bool(timings.get("path_trial"))  # a compiled path's trial: not what this k costs
         steps = int(timings.get("draft_steps", 0) or 0)
-        if steps and "draft_s" in timings:
+        if steps and "draft_s" in timings and not trial:
             self.draft_step.update(timings["draft_s"] / steps)
             if drafted:
                 self.extra_steps = max(0, steps - drafted)
         after_draft, self._previous_drafted = self._previous_drafted, drafted
         warm_plain = drafted == 0 and after_draft and self.verify_round.get(1, -1) >= max(self._changed_at, 0)
-        if "verify_s" in timings and not warm_plain:
+        if "verify_s" in timings and not warm_plain and not trial:
             width = drafted + 1
             age = self.rounds - self.verify_round.get(width, self.rounds)
             step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
@@ -346,9 +351,10 @@ class RooflineGovernor(Governor):
             entry = self.history[-1]
             entry["measured_round_s"] = timings["round_s"]
             predicted = entry["predicted_round_s"]
+            entry["trial"] = trial
             if entry["k"] != drafted:  # the engine shortened the round (end of generation)
                 entry["cut"] = True
-            elif predicted and not entry["probe"]:
+            elif predicted and not entry["probe"] and not trial:
                 self._follow_up_surprise(timings["round_s"], predicted, drafted)
 
     def _follow_up_surprise(self, measured: float, predicted: float, drafted: int) -> None:
@@ -390,7 +396,7 @@ class RooflineGovernor(Governor):
         for k in sorted({h["k"] for h in history}):
             pairs = [(h["predicted_round_s"], h["measured_round_s"]) for h in history
                      if h["k"] == k and h["predicted_round_s"] and h["measured_round_s"]
-                     and not h["probe"] and not h["cut"]]
+                     and not h["probe"] and not h["cut"] and not h["trial"]]
             if pairs:
                 predicted = statistics.median(p for p, _ in pairs)
                 measured = statistics.median(m for _, m in pairs)

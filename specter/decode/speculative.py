@@ -263,6 +263,7 @@ class SpecterEngine(PrefetchingEngine):
         self.begin_round()
         issue_before = self.scheduler.issue_s
         judged = k > 0 and self.draft_step_kind == "compiled"
+        trials_before = self.compiled.chooser.trials if self.compiled is not None else 0
         if judged:
             self.compiled.begin_draft_round()
         drafted, draft_probs = self._draft_tokens(token, k, kv, generator, context)
@@ -305,5 +306,8 @@ class SpecterEngine(PrefetchingEngine):
             self.compiled.end_draft_round((timings["draft_s"] + timings["verify_io_wait_s"]) / timings["draft_steps"])
         metrics.observe_round(total_s=total, verify_tokens=k + 1, **timings)
         metrics.observe_draft(k, result.accepted)
-        call_plugin("governor", self.governor, "observe", drafted=k, accepted=result.accepted, round_s=total, **timings)
+        # a compiled path tried against the odds this round: its times are the trial's, not the path's
+        path_trial = self.compiled is not None and self.compiled.chooser.trials != trials_before
+        call_plugin("governor", self.governor, "observe", drafted=k, accepted=result.accepted, round_s=total,
+                    path_trial=path_trial, **timings)
         return result.tokens

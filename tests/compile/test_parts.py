@@ -39,3 +39,18 @@ def test_ending_a_round_that_was_never_begun_observes_nothing():
     chooser = PathChooser()
     chooser.end_round(0, 1.0)
     assert chooser.counts == {} and chooser.held(0) is None
+
+
+def test_trials_count_the_choices_of_the_path_measured_slower_so_far():
+    chooser = PathChooser()
+    seconds = {"fused": 0.030, "layered": 0.015}
+    trial_flags = []
+    for _ in range(2 * PathChooser.TRIALS + PathChooser.RECHECK):
+        before = chooser.trials
+        path = chooser.choose(5)
+        chooser.observe(5, path, seconds[path])
+        trial_flags.append((path, chooser.trials != before))
+    assert trial_flags[0] == ("layered", False)  # the layered path first: nothing known yet
+    assert trial_flags[1] == ("fused", True)  # not measured while the layered path is
+    assert all(flag == (path == "fused") for path, flag in trial_flags)  # fused is the slower one here
+    assert [path for path, _ in trial_flags].count("fused") == PathChooser.TRIALS + 1  # trials, one recheck

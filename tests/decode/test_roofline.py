@@ -329,3 +329,20 @@ def test_a_round_off_its_prediction_by_the_usual_spread_is_noise_not_a_reason_to
     timings["round_s"] += slower
     governor.observe(drafted=k, accepted=accepted, **timings)
     assert (governor._next_probe <= governor.rounds + 2) == looks_around
+
+
+def test_a_round_timed_on_a_compiled_path_trial_teaches_acceptance_but_not_costs():
+    governor = RooflineGovernor(k=4)
+    machine = Machine(0.9, 1e-3)
+    drive(governor, machine, 40)
+    k = governor.next_k()
+    accepted, timings = machine.round(k)
+    averages = {width: e.value for width, e in governor.verify.items()}
+    draft_step, count = governor.draft_step.value, governor.verify_count.get(k + 1)
+    seen = list(governor.acceptance.seen)
+    slow = {**timings, "verify_s": 3 * timings["verify_s"], "draft_s": 3 * timings["draft_s"],
+            "round_s": 3 * timings["round_s"]}
+    governor.observe(drafted=k, accepted=accepted, path_trial=True, **slow)
+    assert {width: e.value for width, e in governor.verify.items()} == averages
+    assert governor.draft_step.value == draft_step and governor.verify_count.get(k + 1) == count
+    assert governor.history[-1]["trial"] and k > 0 and governor.acceptance.seen != seen
