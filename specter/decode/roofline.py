@@ -282,8 +282,8 @@ class RooflineGovernor(Governor):
                 self._announce(best)
         self.last_k = k
         self.predicted_round_s = self.round_s(k)
-        self.history.append({"k": k, "probe": probe, "cut": False, "trial": False, "predicted_round_s": self.predicted_round_s,
-                             "measured_round_s": None})
+        self.history.append({"k": k, "probe": probe, "cut": False, "trial": False,
+                             "predicted_round_s": self.predicted_round_s, "measured_round_s": None})
         return k
 
     def _probe_k(self, k: int) -> int:

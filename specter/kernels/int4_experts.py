@@ -14,9 +14,9 @@ Contract:
   (a draft step) runs its k experts directly: on ``cpu-native`` through the native row op, one
   call per matrix for all k experts (``forward_gather``; 1.20-1.33 ms against 1.38-1.51 ms per
   step of the widened model's four layers, one thread), elsewhere one matmul per expert matrix,
-  changing dtype once per layer (``forward_one_token``). Under torch.compile ``forward`` takes ``forward_static`` (no
-  data-dependent Python, fixed shapes, ``fullgraph=True`` works), which picks by shape:
-  ``forward_gather`` (one single-row matmul pair per (token, slot); on the cpu-int4pack backend
+  changing dtype once per layer (``forward_one_token``). Under torch.compile ``forward`` takes
+  ``forward_static`` (no data-dependent Python, fixed shapes, ``fullgraph=True`` works), which
+  picks by shape: ``forward_gather`` (one single-row matmul pair per (token, slot); on the cpu-int4pack backend
   through the custom op ``specter::int4_rows``, which reads each chosen expert's packed weights
   in place, elsewhere from a gathered copy of them) when T*k <= E, else ``forward_masked`` (every
   expert over all T tokens, weighted by its routing weight, 0 where not chosen). Measured on

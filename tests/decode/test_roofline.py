@@ -313,7 +313,8 @@ class JitteryMachine(Machine):
         return accepted, timings
 
 
-@pytest.mark.parametrize("machine, looks_around", [(Machine(0.9, 1e-3), True), (JitteryMachine(0.9, 1e-3), False)])
+@pytest.mark.parametrize("machine, looks_around",
+                         [(Machine(0.9, 1e-3), True), (JitteryMachine(0.9, 1e-3), False)])
 def test_a_round_off_its_prediction_by_the_usual_spread_is_noise_not_a_reason_to_probe(machine, looks_around):
     governor = RooflineGovernor(k=4)
     drive(governor, machine, 80)
