@@ -18,8 +18,9 @@ Contract:
   ``forward_static`` (no data-dependent Python, fixed shapes, ``fullgraph=True`` works), which
   picks by shape: ``forward_gather`` (one single-row matmul pair per (token, slot); on the
   cpu-int4pack backend through the custom op ``specter::int4_rows``, which reads each chosen
-  expert's packed weights in place, elsewhere from a gathered copy of them) when T*k <= E, else ``forward_masked`` (every
-  expert over all T tokens, weighted by its routing weight, 0 where not chosen). Measured on
+  expert's packed weights in place, elsewhere from a gathered copy of them) when T*k <= E, else
+  ``forward_masked`` (every expert over all T tokens, weighted by its routing weight, 0 where not
+  chosen). Measured on
   CPU, one thread, inductor: with T*k <= E gather was 1.1-5.6x faster than masked (tied for
   3.5 MB experts at T*k = E); with T*k > E (8 experts, top-2, T=8) masked was 1.05x (small
   experts) to 1.9x (3.5 MB experts) faster. Under ``dynamic=True`` the gather graph
