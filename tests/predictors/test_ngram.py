@@ -13,21 +13,6 @@ from specter.predictors.ngram import NgramPredictor
 from specter.testing.zoo import save_random_checkpoint
 
 
-class RecordingScheduler:
-    def __init__(self) -> None:
-        self.added: list[tuple[int, list[int], list[float]]] = []
-        self.flushes = 0
-
-    def add(self, layer, experts, confidences) -> None:
-        self.added.append((layer, list(experts), list(confidences)))
-
-    def pump(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        self.flushes += 1
-
-
 def test_longest_suffix_match_wins_over_a_more_recent_shorter_one():
     context = [1, 2, 3, 10, 11, 9, 3, 20, 21, 1, 2, 3]
     assert NgramPredictor(max_ngram=3).propose(context, 2) == [10, 11]
@@ -71,8 +56,8 @@ def forward_pass(predictor, positions, mode="target", override=None):
         predictor.observe(layer, torch.zeros(len(positions), 4), index, torch.ones(len(positions), 2), mode)
 
 
-def test_prediction_replays_the_routing_of_the_copied_positions():
-    predictor, scheduler = NgramPredictor(), RecordingScheduler()
+def test_prediction_replays_the_routing_of_the_copied_positions(recording_scheduler):
+    predictor, scheduler = NgramPredictor(), recording_scheduler()
     predictor.bind(scheduler, {0: None, 1: None})
     predictor.reset()
     forward_pass(predictor, range(4))  # prefill of [10, 11, 12, 13]
@@ -87,8 +72,8 @@ def test_prediction_replays_the_routing_of_the_copied_positions():
     assert scheduler.flushes == 1
 
 
-def test_rollback_drops_rejected_positions_and_later_passes_overwrite_them():
-    predictor, scheduler = NgramPredictor(), RecordingScheduler()
+def test_rollback_drops_rejected_positions_and_later_passes_overwrite_them(recording_scheduler):
+    predictor, scheduler = NgramPredictor(), recording_scheduler()
     predictor.bind(scheduler, {0: None, 1: None})
     forward_pass(predictor, range(3))
     forward_pass(predictor, range(3, 6), override=15)  # positions 4 and 5 rejected

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from specter.model.layout import moe_layers
@@ -14,39 +12,19 @@ from specter.predictors.router_lookahead import RouterLookaheadPredictor
 from specter.testing.zoo import random_model
 
 
-class RecordingScheduler:
-    def __init__(self, in_flight: int = 0) -> None:
-        self.added: list[tuple[int, list[int], list[float]]] = []
-        self.pumps = self.flushes = 0
-        self.cache = SimpleNamespace(in_flight=in_flight)  # transfers on the link
-
-    def add(self, layer, experts, confidences) -> None:
-        self.added.append((layer, list(experts), list(confidences)))
-
-    def add_many(self, predictions) -> None:
-        for prediction in predictions:
-            self.add(*prediction)
-
-    def pump(self) -> None:
-        self.pumps += 1
-
-    def flush(self) -> None:
-        self.flushes += 1
-
-
 def test_builtin_predictors_are_registered():
     assert {"draft", "router-lookahead", "none"} <= set(registry().names("predictor"))
 
 
-def test_none_predictor_adds_nothing():
-    predictor, scheduler = NonePredictor(), RecordingScheduler()
+def test_none_predictor_adds_nothing(recording_scheduler):
+    predictor, scheduler = NonePredictor(), recording_scheduler()
     predictor.bind(scheduler, {})
     predictor.observe(0, torch.zeros(2, 8), torch.tensor([[1, 3], [2, 3]]), torch.ones(2, 2), "draft")
     assert scheduler.added == []
 
 
-def test_draft_predictor_forwards_draft_routing_only():
-    predictor, scheduler = DraftPredictor(), RecordingScheduler()
+def test_draft_predictor_forwards_draft_routing_only(recording_scheduler):
+    predictor, scheduler = DraftPredictor(), recording_scheduler()
     predictor.bind(scheduler, {})
     index, weights = torch.tensor([[1, 3]]), torch.tensor([[0.7, 0.3]])
     predictor.observe(2, torch.zeros(1, 8), index, weights, "target")
@@ -56,8 +34,8 @@ def test_draft_predictor_forwards_draft_routing_only():
     assert scheduler.pumps == 1
 
 
-def test_draft_predictor_hands_a_step_over_at_its_last_layer_unless_the_link_is_idle():
-    predictor, scheduler = DraftPredictor(), RecordingScheduler(in_flight=1)
+def test_draft_predictor_hands_a_step_over_at_its_last_layer_unless_the_link_is_idle(recording_scheduler):
+    predictor, scheduler = DraftPredictor(), recording_scheduler(in_flight=1)
     predictor.bind(scheduler, {0: None, 1: None, 3: None})
     hidden = torch.zeros(1, 8)
     predictor.observe(0, hidden, torch.tensor([[1, 3]]), torch.tensor([[0.5, 0.5]]), "draft")
@@ -71,11 +49,11 @@ def test_draft_predictor_hands_a_step_over_at_its_last_layer_unless_the_link_is_
     assert scheduler.added[-1] == (0, [6, 7], [0.5, 0.5]) and scheduler.pumps == 2
 
 
-def test_router_lookahead_uses_the_next_layers_router():
+def test_router_lookahead_uses_the_next_layers_router(recording_scheduler):
     torch.manual_seed(0)
     model = random_model("mixtral", seed=0)
     layers = {m.layer: m for m in moe_layers(model)}
-    predictor, scheduler = RouterLookaheadPredictor(), RecordingScheduler()
+    predictor, scheduler = RouterLookaheadPredictor(), recording_scheduler()
     predictor.bind(scheduler, layers)
     hidden = torch.randn(3, model.config.hidden_size)
     predictor.observe(0, hidden, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), "target")
