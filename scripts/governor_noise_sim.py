@@ -22,7 +22,8 @@ import math
 import random
 import statistics
 
-from specter.decode.roofline import RooflineGovernor, distinct_experts
+from specter.decode.roofline import RooflineGovernor
+from specter.decode.roofline_fit import distinct_experts
 
 MACHINES = [  # (acceptance, transfer s per expert, experts that fit the cache over the 4 layers)
     (0.95, 4e-3, 16), (0.95, 1e-3, 20), (0.9, 2e-3, 16), (0.95, 4e-3, 40), (0.97, 5e-4, 24), (0.93, 3e-3, 12)]

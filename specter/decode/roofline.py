@@ -1,4 +1,6 @@
 """The ``roofline`` governor: picks k each round from an amortization roofline calibrated online.
+Its estimators (distinct experts, the non-negative line, isotonic regression, the moving
+average) are ``specter.decode.roofline_fit``.
 
 Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
 - Tokens per round with k drafts: ``1 + E[accepted(k)]``, ``E[accepted(k)] = sum_{i<=k} prod_{j<=i}
@@ -72,6 +74,7 @@ import statistics
 
 from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import Governor
+from specter.decode.roofline_fit import Ema, distinct_experts, fit_line, monotone
 
 log = logging.getLogger("specter.governor")
 MIN_POSITION_SAMPLES = 20  # a width's verify samples count at most this much in the fit
@@ -85,44 +88,9 @@ SPREAD_MULT = 3.0  # a round no further off than this many times the typical mis
 HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
 
 
-def distinct_experts(tokens: int, n_experts: int, top_k: int) -> float:
-    """Expected distinct experts of one layer read by ``tokens`` tokens routed top-k uniformly."""
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
-
-
-def fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Weighted least squares ``y = a + b x`` over (x, y, weight) points with ``a, b >= 0``; with
-    one distinct x, or when the free fit breaks the signs, the line through the origin."""
-    total = sum(w for _, _, w in points)
-    mean_x = sum(w * x for x, _, w in points) / total
-    mean_y = sum(w * y for _, y, w in points) / total
-    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
-    if spread > 1e-12 * max(mean_x, 1.0) ** 2:
-        slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread
-        intercept = mean_y - slope * mean_x
-        if slope >= 0 and intercept >= 0:
-            return intercept, slope
-        if slope < 0:
-            return mean_y, 0.0
-    through_origin = sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)
-    return 0.0, through_origin
-
-
 def changed(sample: float, reference: float) -> bool:
     """Whether ``sample`` is more than ``CHANGE_FACTOR`` times off ``reference``, either way."""
     return sample > CHANGE_FACTOR * reference or sample * CHANGE_FACTOR < reference
-
-
-def monotone(points: list[tuple[float, float]]) -> list[float]:
-    """Weighted isotonic regression (pool adjacent violators): the non-decreasing sequence
-    closest to the (value, weight) points in weighted least squares, one value per point."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for value, weight in points:
-        blocks.append([value, max(weight, 1e-9), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, w1, n1), (m2, w2, n2) = blocks[-2], blocks.pop()
-            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
-    return [mean for mean, _, count in blocks for _ in range(int(count))]
 
 
 def calibration_rounds(k0: int, k_max: int) -> list[int]:
@@ -130,16 +98,6 @@ def calibration_rounds(k0: int, k_max: int) -> list[int]:
     twice (the first, right after a drafted round, finds the draft's prefetches in the cache and
     is not measured), then 1 and 2."""
     return [k0, *([0, 0] if k0 else [0]), *(c for c in (1, min(2, k_max)) if c != k0)]
-
-
-class Ema:
-    def __init__(self, weight: float) -> None:
-        self.weight = weight
-        self.value: float | None = None
-
-    def update(self, sample: float, weight: float | None = None) -> None:
-        weight = self.weight if weight is None else max(weight, self.weight)
-        self.value = sample if self.value is None else (1 - weight) * self.value + weight * sample
 
 
 class RooflineGovernor(Governor):

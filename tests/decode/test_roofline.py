@@ -15,7 +15,8 @@ import pytest
 from specter.errors import SpecterError
 from specter.decode.governor import check_next_k
 from specter.plugins import registry
-from specter.decode.roofline import RooflineGovernor, distinct_experts
+from specter.decode.roofline import RooflineGovernor
+from specter.decode.roofline_fit import distinct_experts
 
 
 class Machine:
@@ -163,7 +164,7 @@ def test_the_engine_refuses_a_bad_k_naming_the_governor(k):
 
 
 def test_verify_cost_is_a_line_in_distinct_experts_so_one_lucky_width_cannot_make_it_jagged():
-    from specter.decode.roofline import fit_line
+    from specter.decode.roofline_fit import fit_line
 
     assert fit_line([(1.0, 3.0, 1), (2.0, 5.0, 1), (4.0, 9.0, 2)]) == pytest.approx((1.0, 2.0))
     assert fit_line([(2.0, 4.0, 1)]) == pytest.approx((0.0, 2.0))  # one width: through the origin
