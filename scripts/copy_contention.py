@@ -6,11 +6,12 @@ Run: python scripts/copy_contention.py [--expert-mib 12] [--repeats 5]   (one th
 
 Times three single-thread workloads alone and while a second thread copies expert-sized tensors
 back to back (what the `local` link and an emulated link's copy thread do while a round runs):
-a streaming read of 192 MiB (a memory-bound step: fp32 experts), the INT4 draft's experts of one
-widened-model step (2 experts x 4 layers through ``Int4Experts``, 8.4 MB of packed weights and
-scales), and 256-element elementwise ops (dispatch-bound: norms, residuals). Then the same with a
-second thread running small matmuls (each op releases and retakes the GIL), for comparison. Each
-figure is the best of ``--repeats``; the ratio is with / alone.
+a streaming read of 192 MiB (a memory-bound step: fp32 experts), the INT4 draft's experts of 16
+widened-model steps (2 experts x 4 layers each, through ``Int4Experts`` of a random Mixtral with
+the widened model's shapes), and 256-element elementwise ops (dispatch-bound: norms,
+residuals). Then the same with a second thread running small matmuls (each op releases and
+retakes the GIL), for comparison. Each figure is the best of ``--repeats``; the ratio is
+with / alone.
 """
 
 from __future__ import annotations
@@ -22,27 +23,11 @@ from typing import Callable
 
 import torch
 
-from specter.kernels.int4_experts import Int4Experts
+from specter.kernels.int4_experts import quantize_model_experts
+from specter.testing.zoo import random_model
 
 torch.set_num_threads(1)
 HIDDEN, INTER, EXPERTS, LAYERS, TOP_K = 256, 4096, 16, 4, 2  # the widened model's shapes
-
-
-class _FakeExperts(torch.nn.Module):
-    """A transformers-5-style experts module with the widened model's shapes and random weights."""
-
-    has_gate, is_transposed, has_bias = True, False, False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.02)
-        self.down_proj = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, INTER) * 0.02)
-        self.num_experts = EXPERTS
-        self.act_fn = torch.nn.SiLU()
-
-    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
 
 
 def best_ms(call: Callable[[], None], repeats: int) -> float:
@@ -61,7 +46,9 @@ def main() -> None:
     args = parser.parse_args()
 
     big = torch.randn(192 * 1024 * 1024 // 4)
-    layers = [Int4Experts.from_module(_FakeExperts()) for _ in range(LAYERS)]
+    model = random_model("mixtral", hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS,
+                         num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS)
+    layers = list(quantize_model_experts(model).values())
     x = torch.randn(1, HIDDEN)
     routes = [torch.randperm(EXPERTS)[:TOP_K][None] for _ in range(64)]
     weights = torch.full((1, TOP_K), 0.5)
