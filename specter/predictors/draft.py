@@ -3,11 +3,11 @@
 Contract: while the draft runs its k steps, every MoE layer's top-k choice (and gate weight, the
 confidence) for every drafted position goes into the scheduler's lookahead buffer, and the
 scheduler is pumped so prefetches start while the draft is still running. A draft step's layers
-are handed over together at its last MoE layer (one host transfer of the routing, one window
-update, one pump), or as soon as a layer finds the link idle, so a round's first predictions
-start copying at once. Verification runs the
-target over the same positions, so the draft's choice at (position, layer) predicts the
-target's. Requires the speculative engine (``needs_draft``).
+are handed over together at its last MoE layer (one host copy of all its layers' expert ids and
+one of their weights, one window update, one pump), or as soon as a layer finds the link idle, so
+a round's first predictions start copying at once. Verification runs the target over the same
+positions, so the draft's choice at (position, layer) predicts the target's. Requires the
+speculative engine (``needs_draft``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class DraftPredictor(Predictor):
             self._hand_over()
 
     def _hand_over(self) -> None:
-        """The pending layers' routing to the scheduler (one device-to-host copy), then a pump."""
+        """The pending layers' routing to the scheduler (one device-to-host copy of the expert ids,
+        one of the weights), then a pump."""
         pending, self._pending = self._pending, []
         experts = torch.cat([index.reshape(-1) for _, index, _ in pending]).tolist()
         confidences = torch.cat([weights.reshape(-1).float() for _, _, weights in pending]).tolist()
