@@ -33,6 +33,20 @@ def test_every_group_meets_its_own_weight(counts: list[int], k: int) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("counts", [[2], [1, 3, 0, 4], [7, 5]])
+@pytest.mark.parametrize("n", [40, 42, 3])
+def test_long_rows_read_four_weight_rows_at_a_time_with_any_remainder(counts: list[int], n: int) -> None:
+    # K >= 1024 with 2+ rows in a group takes the four-weight-rows path; n % 4 != 0 leaves a tail
+    k = 1024
+    gen = torch.Generator().manual_seed(n * 10 + len(counts))
+    w = torch.randn(len(counts), n, k, generator=gen)
+    ends = torch.tensor(counts).cumsum(0)
+    x = torch.randn(int(ends[-1]), k, generator=gen)
+    out = native_rows.grouped_rows(x, w, ends)
+    torch.testing.assert_close(out.double(), reference(x, w, ends), rtol=1e-5, atol=1e-3)
+
+
+@needs_native
 def test_bad_shapes_are_refused_with_the_reason() -> None:
     w = torch.randn(2, 8, 32)
     with pytest.raises(RuntimeError, match="ends\\[-1\\] must equal"):
