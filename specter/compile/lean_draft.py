@@ -9,7 +9,8 @@ sliding window, every decoder layer served by ``runtime``; otherwise None, and
 every layer, appends its K/V to the transformers cache ``kv`` at the positions the model's own
 forward would, computes the routed experts through ``runtime.forward`` (in draft mode: the INT4
 experts; the observers see each layer's (layer, expert input, top_k_index, top_k_weights, mode)
-as from the model's forward) and returns fp32 logits [V].
+as from the model's forward) and returns fp32 logits [V] (``logits=False``: None, without the LM
+head, for the routing-only step).
 
 Why: a draft step through transformers' modules spends most of its non-expert time dispatching
 modules, building masks and position ids for one token; this step does only the tensor math.
@@ -68,8 +69,10 @@ class LeanDraftStep:
             self._cos, self._sin = rope_tables(self.inv_freq, positions, self.arch.rope_scaling, self.embed.dtype)
         return self._cos[position : position + 1], self._sin[position : position + 1]  # [1, 1, d]
 
-    def step(self, token: int, kv) -> Tensor:
-        """One token through the model, draft experts and all: fp32 logits [V]; appends to ``kv``."""
+    def step(self, token: int, kv, logits: bool = True) -> Tensor | None:
+        """One token through the model, draft experts and all: fp32 logits [V]; appends to ``kv``.
+        ``logits=False`` (a step run for its routing only) skips the final norm and LM head and
+        returns None."""
         arch = self.arch
         cos, sin = self._rope(kv.get_seq_length())
         h = self.embed[token][None]  # [1, H]
@@ -84,6 +87,8 @@ class LeanDraftStep:
             x = rms_norm(h, w.post_norm, arch.eps)
             top_k_weights, top_k_index = select_experts(arch, F.linear(x, w.router))  # [1, k]
             h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
+        if not logits:
+            return None
         return F.linear(rms_norm(h, self.final_norm, arch.eps), self.lm_head, self.lm_head_bias)[0].float()
 
 

@@ -220,9 +220,10 @@ class SpecterEngine(PrefetchingEngine):
         with self.runtime.drafting():
             current = token
             for step in range(steps):
+                if step == k:  # routing-only step over the last drafted token
+                    self._draft_logits(current, kv, logits=False)
+                    break
                 logits = self._draft_logits(current, kv)
-                if step == k:
-                    break  # routing-only step over the last drafted token
                 if self.sampling.greedy:
                     current = int(logits.argmax())
                 else:
@@ -232,12 +233,13 @@ class SpecterEngine(PrefetchingEngine):
                 drafted.append(current)
         return drafted, (torch.stack(probs) if probs else None)
 
-    def _draft_logits(self, token: int, kv) -> torch.Tensor:
+    def _draft_logits(self, token: int, kv, logits: bool = True) -> torch.Tensor | None:
         """One draft step over ``token``: fp32 logits [V]. Compiled engines run their draft graph;
         eager ones the lean step where the model allows (``specter.compile.lean_draft``), else the
-        model's own forward with the INT4 experts switched in."""
+        model's own forward with the INT4 experts switched in. ``logits=False``: the step is run
+        for its routing only; the lean step then skips the LM head (and returns None)."""
         if self.compiled is None and self.lean_draft is not None:
-            return self.lean_draft.step(token, kv)
+            return self.lean_draft.step(token, kv, logits=logits)
         return self.forward_logits(torch.tensor([[token]], device=self.device), kv)[-1]
 
     @property

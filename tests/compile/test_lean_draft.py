@@ -120,3 +120,26 @@ def test_other_models_draft_through_their_own_forward(name, reason, checkpoints)
         assert engine.generate([PROMPT]).report["draft"]["step"] == "model"
     finally:
         engine.close()
+
+
+def test_a_routing_only_step_routes_and_caches_as_a_full_step_without_logits(checkpoints):
+    engine = build(checkpoints["mixtral"])
+    try:
+        seen = routing_log(engine)
+        runs = []
+        for logits in (True, False):
+            kv = engine.new_kv_cache()
+            with torch.inference_mode(), engine.runtime.drafting():
+                engine.forward_logits(torch.tensor([PROMPT]), kv)
+                start = len(seen)
+                out = engine.lean_draft.step(42, kv, logits=logits)
+            runs.append((out, kv.get_seq_length(), seen[start:], kv.layers[0].keys.clone()))
+        (full, full_len, full_seen, full_keys), (none, none_len, none_seen, none_keys) = runs
+        assert full is not None and full.shape == (engine.model.config.vocab_size,) and none is None
+        assert full_len == none_len == len(PROMPT) + 1
+        assert len(none_seen) == len(full_seen) == 3  # every MoE layer's routing, as the full step
+        for a, b in zip(full_seen, none_seen):
+            assert a[0] == b[0] and a[1] == b[1] == "draft" and torch.equal(a[3], b[3]) and torch.equal(a[2], b[2])
+        assert torch.equal(full_keys, none_keys)
+    finally:
+        engine.close()
