@@ -20,8 +20,11 @@ Contract:
     CPU in float32, through the native grouped kernel: each chosen expert read once for all its
     tokens; else per (token, slot) pair), or the INT4 draft experts. A cache step also returns whether a needed expert was absent; then the
     result is discarded and the step reruns on the layered path (it rewrites the same KV
-    positions). Transfers in flight are waited for first (``cache.drain``): the graph reads
-    READY slots only.
+    positions). On a CPU the graph calls the host at each MoE layer
+    (``specter.compile.host_layer``): observers see the layer, the cache acquires its experts
+    (waiting only for their transfers, loading misses) and releases the previous layer's, and the
+    graph reads the slot table row the host returns. Elsewhere (CUDA graphs) every transfer in
+    flight is waited for first (``cache.drain``) and the graph reads READY slots only.
   * layered (the host between compiled pieces, once per MoE layer): a compiled attention+router
     piece per layer, then the host's experts (``ExpertRuntime.forward``: observers,
     ``cache.acquire`` loading misses, the slot math, ``release``; the layer's own experts module
@@ -31,10 +34,11 @@ Contract:
     steps, and for draft steps (fused INT4 gather against compiled attention + the eager grouped
     INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft steps
     between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path, judged by the caller.
-- After a fused step the host replays, per layer in order, what the eager path does inside the
-  step: the runtime's observers get (layer, expert input, top_k_index, top_k_weights, mode) and,
-  for a cache target step, ``cache.acquire`` + ``release`` of the layer's experts keep the cache
-  policy and counters as in eager mode. The draft's predictions thus reach the scheduler after
+- After a fused step without host calls (draft steps; cache target steps under CUDA graphs) the
+  host replays, per layer in order, what the eager path does inside the step: the runtime's
+  observers get (layer, expert input, top_k_index, top_k_weights, mode) and, for a cache target
+  step, ``cache.acquire`` + ``release`` of the layer's experts keep the cache policy and counters
+  as in eager mode. The draft's predictions thus reach the scheduler after
   each draft step instead of after each of its layers.
 - Shapes: K/V buffers [1, n_kv, max_len, head_dim] per layer are allocated once and shared by
   every ``StaticKV``. Attention reads the first ``span`` positions, ``span`` the length rounded
@@ -50,6 +54,7 @@ written for, not yet run on, a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable
@@ -59,6 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
+from specter.compile.host_layer import LayerHost
 from specter.compile.decoder_math import (
     arch_of, attention_and_route, layer_weights_of, linear, rms_norm, rope_tables, unsupported_reason,
 )
@@ -120,16 +126,20 @@ class CompiledDecoder:
         self._values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self._kv_index = torch.arange(self.max_len, device=self.device)
 
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        # a fused cache step calls the host at each layer (a CUDA graph cannot): specter.compile.host_layer
+        self.host_layers = experts == "cache" and self.device.type == "cpu" and not self.cuda_graphs
+        self.layer_host = LayerHost(runtime) if self.host_layers else None
         if experts == "resident":
             self.target_experts = OwnExperts(self.expert_modules)
             self.host_experts: HostExperts = self._host_resident_experts
         else:
-            self.target_experts = SlotExperts(self.cache, self.expert_modules[0])
+            handle = self.layer_host.handle if self.layer_host is not None else None
+            self.target_experts = SlotExperts(self.cache, self.expert_modules[0], host_handle=handle)
             self.host_experts = self._host_cache_experts
         self._draft_experts: CompiledDraftExperts | None = None
         self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
 
-        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
             weights = [self.embed, self.final_norm, self.lm_head, self.lm_head_bias, self.inv_freq]
             weights += [getattr(w, f.name) for w in self.layers for f in dataclasses.fields(w)]
@@ -286,18 +296,22 @@ class CompiledDecoder:
         if self.cache is None:
             return self._run_fused_target(tokens, positions, kv_index, kv)
         args = (tokens, positions, kv_index, kv)
+        if self.layer_host is not None and not self.layer_host.fits(tokens.shape[0]):
+            return self._run_layered(*args)  # a layer might need more experts than the cache holds
         return self._run_chosen(tokens.shape[0], lambda: self._run_fused_target(*args),
                                 lambda: self._run_layered(*args))
 
     def _run_fused_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
-        if self.cache is not None:
+        if self.cache is not None and not self.host_layers:
             self.cache.drain()
-        out = self._call_fused(self._target_step, tokens, positions, kv_index, kv)
+        with self.layer_host.live() if self.layer_host is not None else contextlib.nullcontext():
+            out = self._call_fused(self._target_step, tokens, positions, kv_index, kv)
         if out.missing is not None and bool(out.missing):
             self.stats.fused_misses += 1
             return self._run_layered(tokens, positions, kv_index, kv)
         self.stats.fused_steps += 1
-        self._replay(out, "target")
+        if not self.host_layers:  # with host layers the observers and the cache saw each layer live
+            self._replay(out, "target")
         return out.logits
 
     def _run_layered(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:

@@ -5,11 +5,14 @@ compile counters. Contract details: ``specter.compile.decoder``'s docstring."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
 
 import torch
 from torch import Tensor, nn
 
+from specter.compile.host_layer import layer_slots
 from specter.kernels import native_rows
 from specter.kernels.grouped_experts import native_grouped_experts
 from specter.kernels.slot_experts import gather_experts, slots_for
@@ -52,17 +55,24 @@ class OwnExperts:
 
 
 class SlotExperts:
-    """Experts from the cache's slot buffers, addressed through the device ``slot_table``."""
+    """Experts from the cache's slot buffers, addressed through the device ``slot_table``, or,
+    with a ``host_handle`` (``specter.compile.host_layer``), through the table row the host
+    returns once it has made the layer's experts resident."""
 
-    def __init__(self, cache, module: nn.Module) -> None:
+    def __init__(self, cache, module: nn.Module, host_handle: Tensor | None = None) -> None:
         self.table = cache.slot_table  # [n_moe_layers, E]
         self.gate_up = cache.slots["gate_up_proj"]  # [n_slots, 2I, H]
         self.down = cache.slots["down_proj"]  # [n_slots, H, I]
         self.apply_gate = module._apply_gate
         self.kernel = _pairs_kernel(self.gate_up.new_zeros(1, self.gate_up.shape[-1]), self.gate_up, self.down)
+        self.host_handle = host_handle
 
     def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
-        slots, missing = slots_for(self.table[row], top_k_index)
+        if self.host_handle is None:
+            table_row = self.table[row]
+        else:
+            table_row = layer_slots(x, top_k_index, top_k_weights, row, self.host_handle, self.table.shape[1])
+        slots, missing = slots_for(table_row, top_k_index)
         return self.kernel(x, slots, top_k_weights, self.gate_up, self.down, self.apply_gate), missing
 
 
@@ -78,13 +88,16 @@ class CompiledDraftExperts:
 
 class PathChooser:
     """Picks the faster path (``fused`` or ``layered``) for draft steps and for cache target steps
-    of each width by measuring both: a fused cache step waits for every transfer in flight and
-    reruns layered when an expert is missing (it reads each distinct expert once with the native
-    grouped kernel, else once per (token, slot) pair), while the layered path overlaps transfers
-    with earlier layers and reads each distinct expert once; which wins
+    of each width by measuring both: a fused cache step calls the host at each layer (on a CPU;
+    under CUDA graphs it waits for every transfer in flight first) and reruns layered when an
+    expert is missing (it reads each distinct expert once with the native grouped kernel, else
+    once per (token, slot) pair), while the layered path runs the host between compiled pieces
+    and reads each distinct expert once; which wins
     depends on the cache, the link and the expert size. Each width tries both paths ``TRIALS``
-    times, then takes the lower moving average, trying the other path again every ``RECHECK``
-    steps of that width (the layered path first: it is the eager engine's own). ``trials`` counts
+    times, then takes the one with the lower median of its last ``WINDOW`` step times (a median:
+    one slow early step, e.g. beside a burst of copies, must not hide the faster path until the
+    next recheck), trying the other path again every ``RECHECK`` steps of that width (the
+    layered path first: it is the eager engine's own). ``trials`` counts
     the choices of a path the evidence so far says is the slower one (or not yet measured while
     the other is), so a caller timing a round can tell a trial's cost from the path's.
     ``begin_round(key)`` instead holds one choice for every step of ``key``
@@ -92,12 +105,13 @@ class PathChooser:
     the round (the speculative engine's draft steps: their time plus the transfer wait they left
     to verification, as a fused draft step hands its predictions to the scheduler only at its end)."""
 
-    TRIALS, RECHECK, WEIGHT = 2, 32, 0.2
+    TRIALS, RECHECK, WINDOW = 3, 16, 5
 
     def __init__(self) -> None:
         self.trials = 0  # choices of the path known (so far) to be the slower one
-        self.seconds: dict[tuple[int, str], float] = {}
+        self.seconds: dict[tuple[int, str], float] = {}  # median of the last WINDOW step times
         self.counts: dict[tuple[int, str], int] = {}
+        self._recent: dict[tuple[int, str], collections.deque] = {}
         self.steps: dict[int, int] = {}
         self._held: dict[int, str] = {}
 
@@ -132,8 +146,9 @@ class PathChooser:
     def observe(self, width: int, path: str, seconds: float) -> None:
         key = (width, path)
         self.counts[key] = self.counts.get(key, 0) + 1
-        previous = self.seconds.get(key)
-        self.seconds[key] = seconds if previous is None else (1 - self.WEIGHT) * previous + self.WEIGHT * seconds
+        recent = self._recent.setdefault(key, collections.deque(maxlen=self.WINDOW))
+        recent.append(seconds)
+        self.seconds[key] = statistics.median(recent)
 
     def as_dict(self) -> dict:
         return {f"{width}:{path}": {"steps": self.counts[(width, path)], "mean_s": seconds}

@@ -54,3 +54,16 @@ def test_trials_count_the_choices_of_the_path_measured_slower_so_far():
     assert trial_flags[1] == ("fused", True)  # not measured while the layered path is
     assert all(flag == (path == "fused") for path, flag in trial_flags)  # fused is the slower one here
     assert [path for path, _ in trial_flags].count("fused") == PathChooser.TRIALS + 1  # trials, one recheck
+
+
+def test_one_slow_early_step_does_not_hide_the_faster_path():
+    # fused is faster, but its first step was slow (beside a burst of copies): a moving average
+    # kept layered until the next recheck; the median of the recent steps does not
+    chooser = PathChooser()
+    fused_times = iter([0.030] + [0.005] * 100)
+    chosen = []
+    for _ in range(2 * PathChooser.TRIALS + 5):
+        path = chooser.choose(5)
+        chooser.observe(5, path, next(fused_times) if path == "fused" else 0.010)
+        chosen.append(path)
+    assert chosen[2 * PathChooser.TRIALS:] == ["fused"] * 5
