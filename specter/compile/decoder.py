@@ -30,7 +30,8 @@ Contract:
     ``cache.acquire`` loading misses, the slot math, ``release``; the layer's own experts module
     when resident), then a compiled final norm + LM head. Prefill (T > ``fused_max_tokens``, or
     any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
-    (for predictors that must act between layers, e.g. router lookahead). For cache target
+    (for predictors that must act between layers, e.g. router lookahead) unless the fused graph
+    calls the host at each layer (CPU), where they act inside it. For cache target
     steps, and for draft steps (fused INT4 gather against compiled attention + the eager grouped
     INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft steps
     between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path, judged by the caller.
@@ -104,7 +105,6 @@ class CompiledDecoder:
         self.source = experts
         self.runtime = runtime
         self.cache = runtime.cache if experts == "cache" else None
-        self.layered = layered
         self.fused_max_tokens = fused_max_tokens
         self.stats = CompileStats()
         self.device = decoder.embed_tokens.weight.device
@@ -129,6 +129,7 @@ class CompiledDecoder:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         # a fused cache step calls the host at each layer (a CUDA graph cannot): specter.compile.host_layer
         self.host_layers = experts == "cache" and self.device.type == "cpu" and not self.cuda_graphs
+        self.layered = layered and not self.host_layers  # host calls: observers act between layers in the graph
         self.layer_host = LayerHost(runtime) if self.host_layers else None
         if experts == "resident":
             self.target_experts = OwnExperts(self.expert_modules)
