@@ -196,11 +196,13 @@ class SpecterEngine(PrefetchingEngine):
     @property
     def routing_step(self) -> bool:
         """Whether rounds run the routing-only draft step: ``lookahead_last`` on a link whose
-        copies overlap compute, eager or compiled. On a synchronous link the step buys compiled
-        engines a complete prediction (the fused verification graph needs every expert cached)
-        but their path chooser takes the layered verification there anyway: without the step,
-        compiled ``specter`` was 1.07-1.18x its eager self at 25% on ``local`` against
-        0.99-1.04x with it (widened model, one thread, three interleaved repeats)."""
+        copies overlap compute, eager or compiled. On a synchronous link a prefetch is the same
+        copy as a demand load, so the step is pure cost (when the fused verification graph still
+        needed every expert cached, compiled ``specter`` without the step was 1.07-1.18x its eager
+        self at 25% on ``local`` against 0.99-1.04x with it: widened model, one thread, three
+        interleaved repeats). On ``local`` with a copy thread, eager, 50%: 108.2 tok/s with the
+        step and 108.2 without on commit 677bd33 (it cost 3.4 ms a round and saved 2.5 ms of
+        verification; three interleaved repeats)."""
         return self.lookahead_last and self.link.overlaps_compute
 
     def _draft_tokens(self, token: int, k: int, kv, generator, context: list[int]) -> tuple[list[int], torch.Tensor | None]:

@@ -10,7 +10,9 @@ Contract:
   ``available()`` is False (A/B timings; not thread-safe against concurrent model code).
 - The ops, each a ``torch.ops.specter_native`` dispatcher op with a fake implementation (compiled
   graphs call them as extern kernels): ``int4_gemv`` and ``int4_rows`` (``specter.kernels.int4_native``,
-  the INT4 draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts).
+  the INT4 draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts);
+  ``stream_copy`` (``specter.kernels.stream_copy``, the links' large host copies) mutates its
+  destination and is not called from compiled graphs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import Tensor
 
 log = logging.getLogger("specter.kernels")
 NAME = "specter_native"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemv.cpp", "grouped_rows.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemv.cpp", "grouped_rows.cpp", "stream_copy.cpp")]
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "reason": None once built and usable, else why not
 

@@ -22,6 +22,8 @@ from typing import Mapping
 
 import torch
 
+from specter.kernels import stream_copy
+
 Tensors = Mapping[str, torch.Tensor]
 
 
@@ -98,8 +100,14 @@ def transfer_nbytes(src: Tensors) -> int:
 
 
 def copy_all(dst: Tensors, src: Tensors, non_blocking: bool = False) -> None:
+    """``dst[name].copy_(src[name])`` for every name; large CPU-to-CPU copies stream
+    (``specter.kernels.stream_copy``)."""
     for name, tensor in src.items():
-        dst[name].copy_(tensor, non_blocking=non_blocking)
+        target = dst[name]
+        if stream_copy.serves(target, tensor):
+            stream_copy.copy(target, tensor)
+        else:
+            target.copy_(tensor, non_blocking=non_blocking)
 
 
 class CompletedTransfer(Transfer):

@@ -1,0 +1,46 @@
+"""Streaming copies: the same bytes as ``Tensor.copy_`` at any alignment and length; what they
+serve; the links' ``copy_all`` takes them for large host copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specter.kernels import native, stream_copy
+from specter.memory.link import copy_all
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+
+
+@needs_native
+@pytest.mark.parametrize("numel", [1, 31, 128, 1000, (1 << 18) + 7])
+@pytest.mark.parametrize("offset", [0, 1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_copies_every_byte_at_any_alignment(numel: int, offset: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(numel + offset)
+    src = torch.randint(0, 100, (numel,), generator=gen).to(dtype)
+    buffer = torch.zeros(numel + offset, dtype=dtype)
+    dst = buffer[offset:]  # contiguous, not 32-byte aligned when offset > 0
+    stream_copy.copy(dst, src)
+    assert torch.equal(dst, src) and not buffer[:offset].any()
+
+
+def test_serves_large_contiguous_host_copies_of_one_dtype() -> None:
+    big = torch.zeros(stream_copy.MIN_BYTES // 4, dtype=torch.float32)
+    assert stream_copy.serves(big.clone(), big) == native.available()
+    assert not stream_copy.serves(big[: len(big) // 2].clone(), big[: len(big) // 2])  # below MIN_BYTES
+    assert not stream_copy.serves(big.clone().bfloat16(), big)  # a dtype conversion
+    square = torch.zeros(1024, 1024)
+    assert not stream_copy.serves(square.clone(), square.t())  # not contiguous
+
+
+@needs_native
+def test_copy_all_streams_large_copies_and_copies_small_ones(monkeypatch) -> None:
+    calls = []
+    real = stream_copy.copy
+    monkeypatch.setattr(stream_copy, "copy", lambda dst, src: (calls.append(src.numel()), real(dst, src)))
+    src = {"big": torch.randn(1 << 19), "small": torch.randn(64)}
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    copy_all(dst, src)
+    assert calls == [1 << 19]
+    assert all(torch.equal(dst[name], src[name]) for name in src)
