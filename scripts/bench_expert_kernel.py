@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-from specter.kernels import native
+from specter import native
 from specter.kernels.grouped_experts import grouped_experts
 
 

@@ -5,7 +5,7 @@ transformers MoE layer's routed experts, the resident draft. ``int4_rows``: the 
 runs rows through their own experts' INT4 weights in place (compiled draft steps on a CPU).
 ``grouped_experts``: a layer's chosen full-precision experts in one grouped pass over stacked
 weights (cache slots), the CPU path, through ``native_rows`` (Specter's grouped float32 kernel)
-where it builds. ``native``: builds Specter's native CPU kernels (``csrc/``) once per machine.
+where it builds (the native code is built by ``specter.native``).
 ``slot_experts``: the compiled paths' gather over the slot table where the native kernel does not
 serve."""
 

@@ -2,7 +2,7 @@
 ``cpu-native`` backend of ``specter.kernels.int4``.
 
 Contract:
-- ``available()`` / ``unavailable_reason()``: those of ``specter.kernels.native``, which builds
+- ``available()`` / ``unavailable_reason()``: those of ``specter.native``, which builds
   this kernel with Specter's other native kernels (``SPECTER_NATIVE_INT4=0`` turns them off).
 - ``pack(q [N, K] int8 in [-8, 7]) -> uint8 [N, K/2]``: per 64-value chunk of a row, 32 bytes,
   byte j = u[j] | u[j + 32] << 4 with u = q + 8; ``unpack`` inverts it. K % 64 == 0.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specter.kernels.native import available, unavailable_reason
+from specter.native import available, unavailable_reason
 
 __all__ = ["available", "unavailable_reason", "pack", "unpack", "gemv", "rows", "CHUNK"]
 

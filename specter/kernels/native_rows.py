@@ -3,7 +3,7 @@
 Contract:
 - ``serves(x, *weights) -> bool``: the kernel can compute ``x`` against these stacked weights: a
   CPU, float32 throughout, contiguous weights whose last dimension (K) is a multiple of 16, and
-  Specter's native kernels available (``specter.kernels.native``; built on first call).
+  Specter's native kernels available (``specter.native``; built on first call).
 - ``grouped_rows(x [P, K], w [S, N, K], ends [S] int64) -> [P, N]``: rows ``ends[s-1] ..
   ends[s]`` of ``x`` times ``w[s]^T`` (``ends`` non-decreasing, ending at P; empty groups cost
   nothing). Each weight row is read once for all the rows of its group, with two float32 FMA
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specter.kernels import native
+from specter import native
 
 ALIGN = 16  # K must be a multiple of this (two 8-float vectors per step)
 

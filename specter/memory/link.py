@@ -22,7 +22,7 @@ from typing import Mapping
 
 import torch
 
-from specter.kernels import stream_copy
+from specter.memory import stream_copy
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -101,7 +101,7 @@ def transfer_nbytes(src: Tensors) -> int:
 
 def copy_all(dst: Tensors, src: Tensors, non_blocking: bool = False) -> None:
     """``dst[name].copy_(src[name])`` for every name; large CPU-to-CPU copies stream
-    (``specter.kernels.stream_copy``)."""
+    (``specter.memory.stream_copy``)."""
     for name, tensor in src.items():
         target = dst[name]
         if stream_copy.serves(target, tensor):

@@ -46,7 +46,8 @@ def test_every_pair_runs_its_expert_once_scaled_and_summed(tokens: int, top_k: i
 @pytest.mark.parametrize("native_kernel", [True, False])
 @pytest.mark.parametrize("tokens, top_k", [(1, 2), (5, 2), (9, 3)])
 def test_the_native_and_the_grouped_mm_forms_agree_with_the_reference(tokens, top_k, native_kernel, monkeypatch) -> None:
-    from specter.kernels import native, native_rows
+    from specter import native
+    from specter.kernels import native_rows
 
     if native_kernel and not native.available():
         pytest.skip(f"native kernels: {native.unavailable_reason()}")

@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from specter.kernels import int4_native, native
+from specter import native
+from specter.kernels import int4_native
 from specter.kernels.int4 import quantize_int4
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specter.kernels import native, native_rows
+from specter import native
+from specter.kernels import native_rows
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specter.kernels import native, stream_copy
+from specter import native
+from specter.memory import stream_copy
 from specter.memory.link import copy_all
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")

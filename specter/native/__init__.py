@@ -1,4 +1,5 @@
-"""Specter's native CPU kernels (``csrc/``), built together once per machine into one extension.
+"""Specter's native CPU code (``csrc/``), built together once per machine into one extension; the
+bottom layer, so that both the kernels and the memory links can use it.
 
 Contract:
 - ``available() -> bool`` builds the extension on first call (``torch.utils.cpp_extension.load``
@@ -11,7 +12,7 @@ Contract:
 - The ops, each a ``torch.ops.specter_native`` dispatcher op with a fake implementation (compiled
   graphs call them as extern kernels): ``int4_gemv`` and ``int4_rows`` (``specter.kernels.int4_native``,
   the INT4 draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts);
-  ``stream_copy`` (``specter.kernels.stream_copy``, the links' large host copies) mutates its
+  ``stream_copy`` (``specter.memory.stream_copy``, the links' large host copies) mutates its
   destination and is not called from compiled graphs.
 """
 
@@ -28,7 +29,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-log = logging.getLogger("specter.kernels")
+log = logging.getLogger("specter.native")
 NAME = "specter_native"
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemv.cpp", "grouped_rows.cpp", "stream_copy.cpp")]
 _lock = threading.Lock()

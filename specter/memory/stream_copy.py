@@ -3,7 +3,7 @@
 Contract:
 - ``serves(dst, src) -> bool``: the native copy can do ``dst.copy_(src)``: both on the CPU,
   contiguous, the same dtype and shape, at least ``MIN_BYTES``, and Specter's native kernels
-  available (``specter.kernels.native``).
+  available (``specter.native``).
 - ``copy(dst, src)``: ``dst.copy_(src)`` through the native op (``serves`` must hold); the bytes
   are equal, the destination is written around the caches.
 Why: on a CPU device the links' expert copies (12 MiB on the widened model) share the memory with
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specter.kernels import native
+from specter import native
 
 MIN_BYTES = 1 << 20  # below this a copy's destination fits the caches and ordinary stores serve
 
