@@ -18,29 +18,27 @@ Contract:
     (2 <= T <= ``fused_max_tokens``, T a dynamic dimension) and the draft step (T = 1). Experts:
     the layer's own weights, or cache slots found by reading ``slot_table`` on the device (on a
     CPU in float32, through the native grouped kernel: each chosen expert read once for all its
-    tokens; else per (token, slot) pair), or the INT4 draft experts. A cache step also returns whether a needed expert was absent; then the
-    result is discarded and the step reruns on the layered path (it rewrites the same KV
-    positions). On a CPU the graph calls the host at each MoE layer
-    (``specter.compile.host_layer``): observers see the layer, the cache acquires its experts
-    (waiting only for their transfers, loading misses) and releases the previous layer's, and the
-    graph reads the slot table row the host returns. Elsewhere (CUDA graphs) every transfer in
-    flight is waited for first (``cache.drain``) and the graph reads READY slots only.
+    tokens; else per (token, slot) pair), or the INT4 draft experts. On a CPU the graph calls the
+    host at each MoE layer (``specter.compile.host_layer``): observers see the layer, the cache
+    acquires its experts (waiting only for their transfers, loading misses) and releases the
+    previous layer's, and the graph reads the slot table row the host returns. Elsewhere (CUDA
+    graphs) every transfer in flight is waited for first (``cache.drain``), the graph reads READY
+    slots only and returns whether a needed expert was absent; then the result is discarded and
+    the step reruns layered (rewriting the same KV positions).
   * layered (the host between compiled pieces, once per MoE layer): a compiled attention+router
     piece per layer, then the host's experts (``ExpertRuntime.forward``: observers,
     ``cache.acquire`` loading misses, the slot math, ``release``; the layer's own experts module
     when resident), then a compiled final norm + LM head. Prefill (T > ``fused_max_tokens``, or
     any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
     (for predictors that must act between layers, e.g. router lookahead) unless the fused graph
-    calls the host at each layer (CPU), where they act inside it. For cache target
-    steps, and for draft steps (fused INT4 gather against compiled attention + the eager grouped
-    INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft steps
-    between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path, judged by the caller.
+    calls the host at each layer (CPU), where they act inside it. For cache target steps, and for
+    draft steps (fused INT4 gather against compiled attention + the eager grouped INT4 experts), a
+    ``PathChooser`` measures both paths and takes the faster one; draft steps between
+    ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path, judged by the caller.
 - After a fused step without host calls (draft steps; cache target steps under CUDA graphs) the
-  host replays, per layer in order, what the eager path does inside the step: the runtime's
-  observers get (layer, expert input, top_k_index, top_k_weights, mode) and, for a cache target
-  step, ``cache.acquire`` + ``release`` of the layer's experts keep the cache policy and counters
-  as in eager mode. The draft's predictions thus reach the scheduler after
-  each draft step instead of after each of its layers.
+  host replays per layer what the eager path does inside the step: observers get (layer, expert
+  input, top_k_index, top_k_weights, mode); a cache target step's ``cache.acquire`` + ``release``
+  keep the cache policy and counters as eagerly. Draft predictions reach the scheduler per step.
 - Shapes: K/V buffers [1, n_kv, max_len, head_dim] per layer are allocated once and shared by
   every ``StaticKV``. Attention reads the first ``span`` positions, ``span`` the length rounded
   up to ``span_step`` and a dynamic dimension (``span_step=None``, the default on CUDA: always
@@ -95,10 +93,8 @@ class CompiledDecoder:
         reason = unsupported_reason(model)
         if reason is not None:
             raise SpecterError(f"compile: true cannot compile this model: {reason}; set compile: false")
-        if experts not in ("resident", "cache"):
-            raise ValueError(f"experts must be 'resident' or 'cache', got {experts!r}")
-        if experts == "cache" and runtime is None:
-            raise ValueError("experts='cache' needs the engine's ExpertRuntime")
+        if experts not in ("resident", "cache") or (experts == "cache" and runtime is None):
+            raise ValueError(f"experts must be 'resident', or 'cache' with the engine's ExpertRuntime; got {experts!r}")
         decoder = model.model
         self.model = model
         self.arch = arch_of(model)
@@ -117,7 +113,6 @@ class CompiledDecoder:
         self.layers = [layer_weights_of(layer) for layer in decoder.layers]
         self.expert_modules = [layer.mlp.experts for layer in decoder.layers]
         # every decoder layer is an MoE layer (unsupported_reason), so layer index == cache row
-
         positions_limit = getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LEN)
         self.max_len = max_len or min(positions_limit, DEFAULT_MAX_LEN)
         self.span_step = span_step if span_step is not None or self.device.type == "cuda" else 64
