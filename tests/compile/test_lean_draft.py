@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import specter
-from specter.decode.kv import crop_to
+from specter import native
+from specter.compile import lean_draft
 from specter.compile.lean_draft import unsupported_reason
+from specter.decode.kv import crop_to
+from specter.kernels import native_rows
 from specter.testing.zoo import save_random_checkpoint, tiny_config
 
 torch.set_num_threads(1)
@@ -42,13 +45,23 @@ def routing_log(engine) -> list:
     return seen
 
 
+@pytest.mark.parametrize("native_projections", [True, False])
 @pytest.mark.parametrize("arch", ("mixtral", "qwen3_moe"))
-def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, checkpoints):
+def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, native_projections, checkpoints, monkeypatch):
+    calls = []
+    if native_projections:  # every projection of the tiny model through the native row kernel
+        if not native.available():
+            pytest.skip(f"native kernels: {native.unavailable_reason()}")
+        monkeypatch.setattr(lean_draft, "NATIVE_MIN_ROWS", 1)
+        real = native_rows.grouped_rows
+        monkeypatch.setattr(native_rows, "grouped_rows", lambda *args: calls.append(1) or real(*args))
+    else:
+        monkeypatch.setattr(native, "available", lambda: False)
     engine = build(checkpoints[arch])
     try:
-        assert engine.lean_draft is not None
+        assert engine.lean_draft is not None and engine.lean_draft.native_rows == native_projections
         seen = routing_log(engine)
-        caches = []
+        caches, lean_calls = [], []
         for use_lean in (False, True):
             kv = engine.new_kv_cache()
             with torch.inference_mode():
@@ -58,11 +71,15 @@ def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, checkp
                 with engine.runtime.drafting():
                     for token in (5, 77, 12, 200):  # successive steps: the K/V grows between them
                         if use_lean:
+                            before = len(calls)
                             logits.append(engine.lean_draft.step(token, kv))
+                            lean_calls.append(len(calls) - before)
                         else:
                             logits.append(engine.forward_logits(torch.tensor([[token]]), kv)[-1])
             caches.append((kv, torch.stack(logits), seen[start:]))
         (kv_model, logits_model, routed_model), (kv_lean, logits_lean, routed_lean) = caches
+        layers = engine.model.config.num_hidden_layers
+        assert lean_calls == [4 * layers + 1 if native_projections else 0] * 4  # q, k, v, o a layer; the LM head
         torch.testing.assert_close(logits_lean, logits_model, rtol=1e-5, atol=1e-5)
         assert kv_lean.get_seq_length() == kv_model.get_seq_length() == len(PROMPT) + 4
         for lean_layer, model_layer in zip(kv_lean.layers, kv_model.layers):
