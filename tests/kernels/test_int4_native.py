@@ -33,3 +33,23 @@ def test_the_ninja_package_is_found_when_its_directory_is_not_on_path(monkeypatc
     assert shutil.which("ninja") is None
     native._put_ninja_on_path()
     assert shutil.which("ninja") is not None
+
+
+@pytest.mark.parametrize("k", [256, 2048])  # short rows go four at a time, long ones one at a time
+@pytest.mark.parametrize("group", [64, 128])
+def test_a_rows_result_does_not_depend_on_the_rows_read_beside_it(k: int, group: int) -> None:
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    torch.manual_seed(0)
+    n = 11  # two groups of four rows and three left over
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    packed, scales = int4_native.pack(q), torch.rand(n, k // group) + 0.01
+    x = torch.randn(3, k)
+    together = int4_native.gemv(x, packed, scales, group)
+    for i in range(n):  # row i alone, and as the first of a group of four
+        assert torch.equal(int4_native.gemv(x, packed[i:i + 1].contiguous(), scales[i:i + 1].contiguous(), group)[:, 0], together[:, i])
+        if i + 4 <= n:
+            group_of_four = int4_native.gemv(x, packed[i:i + 4].contiguous(), scales[i:i + 4].contiguous(), group)
+            assert torch.equal(group_of_four, together[:, i:i + 4])
+    reference = x @ ((q.float() * scales.repeat_interleave(group, dim=1)).T)
+    torch.testing.assert_close(together, reference, rtol=0.02, atol=0.02 * reference.abs().max().item())

@@ -5,7 +5,10 @@
 // Weights: unsigned nibbles u = q + 8 in [0, 15]; each 64-value chunk of a row is 32 bytes,
 // byte j holding u[j] in its low nibble and u[j + 32] in its high nibble. Activations are
 // quantized per 64-value chunk to int8 (symmetric, scale max|x| / 127) inside the call, then
-// each chunk is an integer dot product (AVX2: maddubs / madd), scaled once per chunk.
+// each chunk is an integer dot product (AVX2: maddubs / madd), scaled once per chunk. Rows of
+// K <= 1024 go four weight rows at a time (one load of each x chunk, four accumulators, one
+// reduction): the short gate/up rows are bound by instructions, not memory. A row's arithmetic
+// is the same in a group of four or alone, so its result does not depend on its neighbours.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -21,6 +24,7 @@
 namespace {
 
 constexpr int64_t kChunk = 64;
+constexpr int64_t kGroupedMaxK = 1024;  // longer rows stream one at a time (cold, four streams of long rows read slower)
 
 // x [K] -> xq [K] int8, one scale and one sum of the int8 values per chunk.
 void quantize_row(const float* x, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
@@ -41,46 +45,85 @@ void quantize_row(const float* x, int64_t k, int8_t* xq, float* xs, int32_t* xsu
   }
 }
 
-inline float row_dot(const uint8_t* w, const float* ws, int64_t chunks, int64_t chunks_per_group,
-                     const int8_t* xq, const float* xs, const int32_t* xsum) {
-  float offset = 0.f;  // sum over chunks of 8 * sum(xq) * scale: the "- 8" of every nibble
+// Per chunk c of an activation row: xq (int8), xs[c] (its scale) and xo[c] = 8 * sum(xq) (the
+// "- 8" of every nibble, applied once per chunk with the chunk's scale).
+struct XRow {
+  const int8_t* q;
+  const float* scale;
+  const float* offset;
+};
+
+// The integer dot product of one 32-byte weight chunk with x's chunk, 8 int32 partial sums.
+inline __m256i chunk_sums(const uint8_t* w, __m256i xl, __m256i xh) {
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const float scale = xs[c] * ws[c / chunks_per_group];
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-    const __m256i lo = _mm256_and_si256(bytes, low_mask);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
-    const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * kChunk));
-    const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * kChunk + 32));
-    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-    const __m256i sums = _mm256_madd_epi16(pairs, ones);  // 8 x int32
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
-    offset += 8.f * static_cast<float>(xsum[c]) * scale;
-  }
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  const __m128 one = _mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1));
-  return _mm_cvtss_f32(one) - offset;
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i lo = _mm256_and_si256(bytes, low_mask);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// x [rows, K] quantized once per call (int8 per chunk, a scale and a sum per chunk);
-// dot(r, w, ws, i) = row r against weight row i of (w [N, K/2], ws [N, K/group]).
+// Row j's share of chunk c: its 8 partial sums scaled into acc, its offset term into off.
+#define SPECTER_INT4_ROW(j, acc, off)                                                              \
+  if (R > j) {                                                                                     \
+    const float sc = x.scale[c] * ws[j * ws_stride + g];                                           \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_sums(w + j * row_bytes + c * 32, xl, xh)),      \
+                          _mm256_set1_ps(sc), acc);                                                \
+    off += x.offset[c] * sc;                                                                       \
+  }
+
+// R weight rows (w + j * row_bytes, scales ws + j * ws_stride) against one activation row, their
+// dot products into out[0 .. R). The x chunk is loaded once for the R rows; each row keeps its own
+// accumulator, reduced by one hadd tree. Every row's arithmetic is the same whatever R (R = 1 for
+// the rows left over), so a row's result does not depend on how rows were grouped.
+template <int R>
+inline void rows_dot(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t chunks,
+                     int64_t chunks_per_group, const XRow& x, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + c * kChunk));
+    const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + c * kChunk + 32));
+    const int64_t g = chunks_per_group == 1 ? c : c / chunks_per_group;
+    SPECTER_INT4_ROW(0, a0, o0)
+    SPECTER_INT4_ROW(1, a1, o1)
+    SPECTER_INT4_ROW(2, a2, o2)
+    SPECTER_INT4_ROW(3, a3, o3)
+  }
+  // lanes 0-3 of each 128-bit half: per row, ((a0 + a1) + (a2 + a3)) and ((a4 + a5) + (a6 + a7))
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  float sums[4];
+  _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+  const float offsets[4] = {o0, o1, o2, o3};
+  for (int j = 0; j < R; ++j) out[j] = sums[j] - offsets[j];
+}
+#undef SPECTER_INT4_ROW
+
+// x [rows, K] quantized once per call (int8 per chunk, a scale and 8 * the sum per chunk);
+// dots(r, w, ws, begin, end, out) = row r against weight rows [begin, end) of (w [N, K/2],
+// ws [N, K/group]), four at a time.
 struct QuantizedRows {
   int64_t k, chunks, chunks_per_group, group;
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<int32_t> sum;
+  std::vector<float> offset;
   QuantizedRows(const float* x, int64_t rows, int64_t k_, int64_t group_)
       : k(k_), chunks(k_ / kChunk), chunks_per_group(group_ / kChunk), group(group_),
-        q(rows * k_), scale(rows * (k_ / kChunk)), sum(rows * (k_ / kChunk)) {
-    for (int64_t r = 0; r < rows; ++r)
-      quantize_row(x + r * k, k, q.data() + r * k, scale.data() + r * chunks, sum.data() + r * chunks);
+        q(rows * k_), scale(rows * (k_ / kChunk)), offset(rows * (k_ / kChunk)) {
+    std::vector<int32_t> sum(chunks);
+    for (int64_t r = 0; r < rows; ++r) {
+      quantize_row(x + r * k, k, q.data() + r * k, scale.data() + r * chunks, sum.data());
+      for (int64_t c = 0; c < chunks; ++c) offset[r * chunks + c] = 8.f * static_cast<float>(sum[c]);
+    }
   }
-  float dot(int64_t r, const uint8_t* w, const float* ws, int64_t i) const {
-    return row_dot(w + i * (k / 2), ws + i * (k / group), chunks, chunks_per_group, q.data() + r * k,
-                   scale.data() + r * chunks, sum.data() + r * chunks);
+  void dots(int64_t r, const uint8_t* w, const float* ws, int64_t begin, int64_t end, float* out) const {
+    const XRow x{q.data() + r * k, scale.data() + r * chunks, offset.data() + r * chunks};
+    const int64_t row_bytes = k / 2, ws_stride = k / group;
+    int64_t i = begin;
+    for (; k <= kGroupedMaxK && i + 4 <= end; i += 4)
+      rows_dot<4>(w + i * row_bytes, row_bytes, ws + i * ws_stride, ws_stride, chunks, chunks_per_group, x, out + i);
+    for (; i < end; ++i)
+      rows_dot<1>(w + i * row_bytes, row_bytes, ws + i * ws_stride, ws_stride, chunks, chunks_per_group, x, out + i);
   }
 };
 
@@ -104,8 +147,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t i = begin; i < end; ++i) op[r * n + i] = xq.dot(r, wp, sp, i);
+    for (int64_t r = 0; r < m; ++r) xq.dots(r, wp, sp, begin, end, op + r * n);
   });
   return out;
 }
@@ -140,9 +182,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, const at::Te
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* we = wp + ip[r] * n * (k / 2);
     const float* se = sp + ip[r] * n * (k / group);
-    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) op[r * n + i] = xq.dot(r, we, se, i);
-    });
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) { xq.dots(r, we, se, begin, end, op + r * n); });
   }
   return out;
 }
