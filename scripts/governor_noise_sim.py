@@ -1,6 +1,6 @@
 """The roofline governor on a noisy synthetic machine, against the true best fixed k.
 
-Run: python scripts/governor_noise_sim.py [--rounds 60] [--noise 0.12] [--seeds 10]
+Run: python scripts/governor_noise_sim.py [--rounds 60] [--noise 0.12] [--seeds 10] [--k-max 8]
      (pure Python, seconds, seeded)
 
 A bench cell gives the governor 30-60 rounds per repeat on a machine whose round times move by
@@ -59,16 +59,16 @@ class NoisyMachine:
         return tokens / self.round(k, noisy=False)[1]["round_s"]
 
 
-def governor_ratio(p: float, io: float, fits: int, noise: float, seed: int, rounds: int) -> float:
+def governor_ratio(p: float, io: float, fits: int, noise: float, seed: int, rounds: int, k_max: int = 8) -> float:
     machine = NoisyMachine(p, io, fits, noise, seed)
-    governor = RooflineGovernor(k=4)
+    governor = RooflineGovernor(k=4, k_max=k_max)
     tokens = seconds = 0.0
     for _ in range(rounds):
         k = governor.next_k()
         accepted, timings = machine.round(k)
         governor.observe(drafted=k, accepted=accepted, **timings)
         tokens, seconds = tokens + 1 + accepted, seconds + timings["round_s"]
-    return tokens / seconds / max(machine.true_rate(k) for k in range(9))
+    return tokens / seconds / max(machine.true_rate(k) for k in range(k_max + 1))
 
 
 def best_of_equal_rows(row_noise: float, rows: int = 8, runs: int = 2, draws: int = 20000) -> float:
@@ -83,13 +83,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--noise", type=float, default=0.12, help="lognormal sigma of a round's verify time")
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--k-max", type=int, default=8, help="the governor's k_max (the true best is over 0..k_max)")
     parser.add_argument("--row-noise", type=float, default=0.05, help="relative noise of one bench run of a row")
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # the governor's "speculation does not pay" lines
     ratios = []
     for p, io, fits in MACHINES:
-        cell = [governor_ratio(p, io, fits, args.noise, seed, args.rounds) for seed in range(args.seeds)]
-        best_k = max(range(9), key=NoisyMachine(p, io, fits, 0.0, 0).true_rate)
+        cell = [governor_ratio(p, io, fits, args.noise, seed, args.rounds, args.k_max) for seed in range(args.seeds)]
+        best_k = max(range(args.k_max + 1), key=NoisyMachine(p, io, fits, 0.0, 0).true_rate)
         print(f"p={p} io={io * 1e3:.1f} ms/expert fits={fits}: best k {best_k}, roofline / best "
               f"median {statistics.median(cell):.3f}, min {min(cell):.3f}")
         ratios += cell

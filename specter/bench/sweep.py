@@ -55,8 +55,9 @@ def machine() -> dict:
 
 def specter_variants(spec: BenchSpec) -> list[tuple[str, list[str], int | None, str]]:
     """(label, recipe overrides, k, governor) of every specter row."""
-    variants = [(f"specter k={k}", ["speculation.governor.name=fixed", f"speculation.governor.k={k}"], k, "fixed")
-                for k in spec.k]
+    # a fixed row takes none of the recipe's governor options (they are the other governors')
+    variants = [(f"specter k={k}", ["speculation.governor.name=fixed", f"speculation.governor.k={k}",
+                                    "speculation.governor.options={}"], k, "fixed") for k in spec.k]
     variants += [(f"specter {g}", [f"speculation.governor.name={g}"], None, g) for g in spec.governors]
     return variants
 

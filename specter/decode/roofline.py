@@ -26,7 +26,12 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being
   estimated as ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
-  (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set);
+  (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
+  and no wider than ``FRONTIER_STEP`` beyond the widest k measured (``frontier()``): a width far
+  past the measured ones is reached step by step, each measured before the next is
+  extrapolated, since the line through narrow widths cannot see the cost that jumps once a
+  round's experts stop fitting the cache (widened model, 50% of the experts, emulated 2 GB/s:
+  allowed k = 16 at once, the governor went there from k = 4 and fixed k = 12 ran at 0.84x k = 6);
   the current choice is kept while no other k is predicted more than ``HOLD_MARGIN`` faster, so
   noise on a flat roofline does not make it flap.
   k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 2
@@ -86,6 +91,7 @@ STALE_HALF_LIFE = 24  # rounds: a width's verify average loses half its weight i
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
 SPREAD_MULT = 3.0  # a round no further off than this many times the typical miss is noise
 HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
+FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured
 
 
 def changed(sample: float, reference: float) -> bool:
@@ -197,13 +203,22 @@ class RooflineGovernor(Governor):
                          "predicted_tokens_per_s": (1 + accepted) / seconds if seconds else None})
         return rows
 
+    def frontier(self) -> int:
+        """The widest k that may be chosen or probed now: ``FRONTIER_STEP`` beyond the widest k
+        whose width was measured (beyond ``k0`` before any was)."""
+        widest = max((t - 1 for t, e in self.verify.items() if e.value is not None and t > 1), default=self.k0)
+        return min(self.k_max, max(widest, self.k0) + FRONTIER_STEP)
+
     def best_k(self) -> int | None:
         best, best_rate = None, -1.0
         rows = self.table()
+        frontier = self.frontier()
         for row in rows:
             rate = row["predicted_tokens_per_s"]
             if rate is None:
                 return None
+            if row["k"] > frontier:
+                break
             if self.max_latency_ms is not None and 1e3 / rate > self.max_latency_ms and best is not None:
                 continue
             if rate > best_rate:
@@ -254,7 +269,7 @@ class RooflineGovernor(Governor):
         if turn == 0:
             rates = [row["predicted_tokens_per_s"] for row in self.table()]
             best = max((r for r in rates if r is not None), default=None)
-            others = [c for c in range(self.k_max + 1) if c != k
+            others = [c for c in range(self.frontier() + 1) if c != k
                       and (best is None or rates[c] is None or rates[c] >= FAR_PROBE_RANGE * best)]
             # the plain round's own average cannot follow the line through the drafted widths: refreshed first once stale
             plain_stale = self.rounds - self.verify_round.get(1, -math.inf) > STALE_HALF_LIFE
@@ -262,7 +277,7 @@ class RooflineGovernor(Governor):
                                               abs(c - k))) if others else k
         if k == 0:
             return min(2, self.k_max)
-        return max(0, min(self.k_max, k + (1 if turn == 1 else -1)))
+        return max(0, min(self.frontier(), k + (1 if turn == 1 else -1)))
 
     def _announce(self, k: int) -> None:
         speculating = k > 0

@@ -348,3 +348,45 @@ def test_a_round_timed_on_a_compiled_path_trial_teaches_acceptance_but_not_costs
     assert {width: e.value for width, e in governor.verify.items()} == averages
     assert governor.draft_step.value == draft_step and governor.verify_count.get(k + 1) == count
     assert governor.history[-1]["trial"] and k > 0 and governor.acceptance.seen != seen
+
+
+class CliffMachine(Machine):
+    """Transfers grow steeply once a round's experts exceed what the cache holds (``fits`` over
+    the four layers): the line through narrow widths cannot see the cliff."""
+
+    def __init__(self, *args, fits: float = 44.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fits = fits
+
+    def round(self, k: int) -> tuple[int, dict]:
+        accepted, timings = super().round(k)
+        extra = max(0.0, distinct_experts(k + 1, 16, 2) * 4 - self.fits) * 0.02
+        timings["verify_s"] += extra
+        timings["round_s"] += extra
+        return accepted, timings
+
+
+def test_k_goes_past_the_measured_widths_step_by_step_and_stops_at_the_cliff():
+    from specter.decode.roofline import FRONTIER_STEP
+
+    machine = CliffMachine(0.97, 4e-3, per_expert=1e-3, draft=1e-3)
+    governor = RooflineGovernor(k=4, k_max=16)
+    widest, log = 4, []
+    for _ in range(200):
+        k = governor.next_k()
+        assert k <= widest + FRONTIER_STEP  # never a width far beyond the measured ones
+        accepted, timings = machine.round(k)
+        governor.observe(drafted=k, accepted=accepted, **timings)
+        widest = max(widest, k)
+        log.append((1 + accepted, timings["round_s"]))
+    best = machine.best_k(16)
+    assert best == 7 and widest < 16  # from k = 4 and the line through narrow widths, 16 would look best
+    rate = sum(t for t, _ in log[50:]) / sum(s for _, s in log[50:])
+    assert rate >= 0.95 * fixed_rate(CliffMachine(0.97, 4e-3, per_expert=1e-3, draft=1e-3), best)
+
+
+def test_with_k_max_16_the_governor_climbs_to_wide_rounds_where_they_pay():
+    machine = Machine(0.97, 2e-2, draft=5e-4)
+    assert machine.best_k(16) >= 14
+    chosen = drive(RooflineGovernor(k=4, k_max=16), machine, 60)
+    assert settled(chosen) >= 12
