@@ -61,7 +61,7 @@ class NoisyMachine:
 
 def governor_ratio(p: float, io: float, fits: int, noise: float, seed: int, rounds: int, k_max: int = 8) -> float:
     machine = NoisyMachine(p, io, fits, noise, seed)
-    governor = RooflineGovernor(k=4, k_max=k_max)
+    governor = RooflineGovernor(k=4, k_max=k_max, cache_slots_per_layer=fits / 4)  # as the engine tells it
     tokens = seconds = 0.0
     for _ in range(rounds):
         k = governor.next_k()

@@ -105,7 +105,8 @@ class EngineParts:
     the device and the experts into a host store, with a cache of ``offload.expert_budget`` slots
     behind the recipe's link and cache policy: an ``OffloadedParts``, the arguments of
     ``OffloadedEngine``. ``predictor(name=None)`` and
-    ``governor()`` create the recipe's speculation plugins (``top_k``/``n_experts`` offered).
+    ``governor()`` create the recipe's speculation plugins (``top_k``/``n_experts`` offered, and
+    to a governor ``cache_slots_per_layer``: the cache's slots over the MoE layers).
     """
 
     def __init__(self, recipe) -> None:
@@ -152,8 +153,9 @@ class EngineParts:
 
     def governor(self):
         spec = self.recipe.speculation.governor
+        slots_per_layer = self.offloaded.cache.capacity / len(self.offloaded.layers)
         return registry().create("governor", spec.name, spec.options, key="speculation.governor.name",
-                                 expect=Governor, k=spec.k, **self._shape())
+                                 expect=Governor, k=spec.k, cache_slots_per_layer=slots_per_layer, **self._shape())
 
 
 def build_engine(recipe) -> Engine:

@@ -18,7 +18,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   (``distinct_experts``: T tokens of top-k routing over E experts), the quantity a memory-bound
   verification's cost follows, so a cost that jumps once a round's experts stop fitting the cache
   is followed, not averaged away. Beyond the measured widths, the line ``a + b * distinct(T)``
-  fitted through them (weighted least squares, ``a, b >= 0``) extends the nearest one. A width
+  fitted through them (weighted least squares, ``a, b >= 0``) extends the nearest one; past the
+  widest, with at least the slope of the line through the widths that stream (more distinct
+  experts per layer than ``cache_slots_per_layer``) once two of them are measured. A width
   measured again after a long gap moves its average towards the new sample by ``1 - 0.5 ** (gap
   / STALE_HALF_LIFE)`` at least, by half at least when the sample is more than ``CHANGE_FACTOR``
   times off the average (conditions changed: noise on a slow link is not). A plain round (T = 1: no draft to hide transfers behind) keeps its own
@@ -27,11 +29,14 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   estimated as ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
-  and no wider than ``FRONTIER_STEP`` beyond the widest k measured (``frontier()``): a width far
-  past the measured ones is reached step by step, each measured before the next is
-  extrapolated, since the line through narrow widths cannot see the cost that jumps once a
-  round's experts stop fitting the cache (widened model, 50% of the experts, emulated 2 GB/s:
-  allowed k = 16 at once, the governor went there from k = 4 and fixed k = 12 ran at 0.84x k = 6);
+  and within ``frontier()``: at most ``FRONTIER_STEP`` beyond the widest k measured, so wider
+  ones are reached step by step, each measured before the next is extrapolated: the line
+  through widths that fit the cache cannot see the cost that jumps once a round's experts stop
+  fitting (widened model, 50% of the experts, emulated 2 GB/s: allowed k = 16 at once, the
+  governor went there from k = 4, and fixed k = 12 ran at 0.84x k = 6). Once two measured widths
+  stream (more distinct experts per layer than ``cache_slots_per_layer``, the engine's cache
+  slots over its MoE layers), the cost past the cache's size is measured and any k up to
+  ``k_max`` may be chosen (25% of the experts: fixed k = 14 ran at 1.14x k = 8);
   the current choice is kept while no other k is predicted more than ``HOLD_MARGIN`` faster, so
   noise on a flat roofline does not make it flap.
   k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 2
@@ -111,13 +116,14 @@ class RooflineGovernor(Governor):
 
     def __init__(self, k: int = 4, k_max: int = 8, n_experts: int = 16, top_k: int = 2, ema: float = 0.25,
                  probe_every: int = 12, max_latency_ms: float | None = None, prior_acceptance: float = 0.8,
-                 draft_ratio: float = 0.5) -> None:
+                 draft_ratio: float = 0.5, cache_slots_per_layer: float | None = None) -> None:
         if not 1 <= k_max <= 16 or not 0 <= k <= k_max:
             raise ValueError(f"roofline governor: need 0 <= k <= k_max <= 16, got k={k}, k_max={k_max}")
         self.k_max, self.k0 = k_max, k
         self.n_experts, self.top_k = n_experts, top_k
         self.weight, self.probe_every, self.max_latency_ms = ema, probe_every, max_latency_ms
         self.draft_ratio = draft_ratio
+        self.cache_slots_per_layer = cache_slots_per_layer  # None: unknown, the frontier always applies
         self.acceptance = AcceptanceEstimate(k_max, prior_acceptance)
         self.draft_step = Ema(ema)
         self.extra_steps = 1  # draft steps per round beyond k (the engine's routing-only step)
@@ -179,6 +185,10 @@ class RooflineGovernor(Governor):
                 lo, hi = u(widths[i - 1]), u(widths[i])
                 return values[i - 1] + (values[i] - values[i - 1]) * (u(width) - lo) / (hi - lo)
             _, slope = fit_line([(u(t), v, w) for t, v, w in drafted])
+            capacity = self.cache_slots_per_layer
+            streaming = [(u(t), v, w) for t, v, w in drafted if capacity is not None and u(t) > capacity]
+            if width > widths[-1] and len(streaming) >= 2:  # past the cache's size, the streaming widths' own slope
+                slope = max(slope, fit_line(streaming)[1])
             edge = 0 if width < widths[0] else -1
             return max(0.0, values[edge] + slope * (u(width) - u(widths[edge])))
         if seen:
@@ -205,9 +215,14 @@ class RooflineGovernor(Governor):
 
     def frontier(self) -> int:
         """The widest k that may be chosen or probed now: ``FRONTIER_STEP`` beyond the widest k
-        whose width was measured (beyond ``k0`` before any was)."""
-        widest = max((t - 1 for t, e in self.verify.items() if e.value is not None and t > 1), default=self.k0)
-        return min(self.k_max, max(widest, self.k0) + FRONTIER_STEP)
+        whose width was measured (beyond ``k0`` before any was), ``k_max`` once two measured
+        widths' experts do not fit the cache (the cost past the capacity is measured)."""
+        measured = [t for t, e in self.verify.items() if e.value is not None and t > 1]
+        capacity = self.cache_slots_per_layer
+        if capacity is not None and sum(distinct_experts(t, self.n_experts, self.top_k) > capacity
+                                        for t in measured) >= 2:
+            return self.k_max
+        return min(self.k_max, max(max(measured, default=0) - 1, self.k0) + FRONTIER_STEP)
 
     def best_k(self) -> int | None:
         best, best_rate = None, -1.0
@@ -224,7 +239,7 @@ class RooflineGovernor(Governor):
             if rate > best_rate:
                 best, best_rate = row["k"], rate
         held = self._last_best
-        if best is not None and held is not None and held != best:
+        if best is not None and held is not None and held != best and held <= frontier:
             rate = rows[held]["predicted_tokens_per_s"]
             latency_ok = self.max_latency_ms is None or 1e3 / rate <= self.max_latency_ms
             if latency_ok and rate * (1 + HOLD_MARGIN) >= best_rate:

@@ -370,7 +370,7 @@ def test_k_goes_past_the_measured_widths_step_by_step_and_stops_at_the_cliff():
     from specter.decode.roofline import FRONTIER_STEP
 
     machine = CliffMachine(0.97, 4e-3, per_expert=1e-3, draft=1e-3)
-    governor = RooflineGovernor(k=4, k_max=16)
+    governor = RooflineGovernor(k=4, k_max=16, cache_slots_per_layer=machine.fits / 4)
     widest, log = 4, []
     for _ in range(200):
         k = governor.next_k()
@@ -390,3 +390,14 @@ def test_with_k_max_16_the_governor_climbs_to_wide_rounds_where_they_pay():
     assert machine.best_k(16) >= 14
     chosen = drive(RooflineGovernor(k=4, k_max=16), machine, 60)
     assert settled(chosen) >= 12
+
+
+def test_once_the_measured_rounds_stream_through_the_cache_wider_ones_need_no_steps():
+    # four slots per layer: the calibration's k = 4 and k = 2 rounds already stream, so the line
+    # through the measured widths holds beyond them and the governor goes straight to a wide k
+    machine = Machine(0.97, 2e-2, draft=5e-4)
+    governor = RooflineGovernor(k=4, k_max=16, cache_slots_per_layer=4)
+    chosen = drive(governor, machine, 12)
+    assert chosen[:5] == [4, 0, 0, 1, 2] and governor.frontier() == 16 and chosen[5] >= 14
+    stepwise = drive(RooflineGovernor(k=4, k_max=16), Machine(0.97, 2e-2, draft=5e-4), 12)
+    assert stepwise[5] == 6  # without the cache's size: two past the widest measured
