@@ -33,10 +33,11 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   ones are reached step by step, each measured before the next is extrapolated: the line
   through widths that fit the cache cannot see the cost that jumps once a round's experts stop
   fitting (widened model, 50% of the experts, emulated 2 GB/s: allowed k = 16 at once, the
-  governor went there from k = 4, and fixed k = 12 ran at 0.84x k = 6). Once two measured widths
-  stream (more distinct experts per layer than ``cache_slots_per_layer``, the engine's cache
-  slots over its MoE layers), the cost past the cache's size is measured and any k up to
-  ``k_max`` may be chosen (25% of the experts: fixed k = 14 ran at 1.14x k = 8);
+  governor went there from k = 4, and fixed k = 12 ran at 0.84x k = 6). Where even a round of
+  ``FRONTIER_STEP`` drafts streams (more distinct experts per layer than
+  ``cache_slots_per_layer``, the engine's cache slots over its MoE layers), every round streams,
+  there is no such cliff ahead, and any k up to ``k_max`` may be chosen (25% of the experts:
+  fixed k = 14 ran at 1.14x k = 8, the governor reached 1.11x the best fixed k <= 8);
   the current choice is kept while no other k is predicted more than ``HOLD_MARGIN`` faster, so
   noise on a flat roofline does not make it flap.
   k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 2
@@ -215,13 +216,12 @@ class RooflineGovernor(Governor):
 
     def frontier(self) -> int:
         """The widest k that may be chosen or probed now: ``FRONTIER_STEP`` beyond the widest k
-        whose width was measured (beyond ``k0`` before any was), ``k_max`` once two measured
-        widths' experts do not fit the cache (the cost past the capacity is measured)."""
-        measured = [t for t, e in self.verify.items() if e.value is not None and t > 1]
+        whose width was measured (beyond ``k0`` before any was); ``k_max`` where even a round of
+        ``FRONTIER_STEP`` drafts does not fit the cache (every round streams: no cliff ahead)."""
         capacity = self.cache_slots_per_layer
-        if capacity is not None and sum(distinct_experts(t, self.n_experts, self.top_k) > capacity
-                                        for t in measured) >= 2:
+        if capacity is not None and distinct_experts(FRONTIER_STEP + 1, self.n_experts, self.top_k) > capacity:
             return self.k_max
+        measured = [t for t, e in self.verify.items() if e.value is not None and t > 1]
         return min(self.k_max, max(max(measured, default=0) - 1, self.k0) + FRONTIER_STEP)
 
     def best_k(self) -> int | None:

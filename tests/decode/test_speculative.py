@@ -161,6 +161,8 @@ def test_moving_to_another_link_tells_the_governor_and_stays_lossless(checkpoint
 
     engine = specter.load(recipe(checkpoints["mixtral"], "specter", speculation={"governor": {"name": "roofline"}}))
     try:
+        slots_per_layer = engine.cache.capacity / len(engine.runtime.layers)
+        assert engine.governor.cache_slots_per_layer == pytest.approx(slots_per_layer)  # the engine's context
         engine.generate(PROMPTS[:1])
         rounds = engine.governor.rounds
         engine.use_link(LocalLink())
