@@ -34,7 +34,7 @@ def test_draft_predictor_forwards_draft_routing_only(recording_scheduler):
     assert scheduler.pumps == 1
 
 
-def test_draft_predictor_hands_a_step_over_at_its_last_layer_unless_the_link_is_idle(recording_scheduler):
+def test_draft_predictor_hands_a_step_over_at_its_last_layer_and_a_rounds_first_layer_at_once_on_an_idle_link(recording_scheduler):
     predictor, scheduler = DraftPredictor(), recording_scheduler(in_flight=1)
     predictor.bind(scheduler, {0: None, 1: None, 3: None})
     hidden = torch.zeros(1, 8)
@@ -44,9 +44,16 @@ def test_draft_predictor_hands_a_step_over_at_its_last_layer_unless_the_link_is_
     predictor.observe(3, hidden, torch.tensor([[4, 5]]), torch.tensor([[1.0, 0.0]]), "draft")
     assert scheduler.added == [(0, [1, 3], [0.5, 0.5]), (1, [2, 0], [0.75, 0.25]), (3, [4, 5], [1.0, 0.0])]
     assert scheduler.pumps == 1
-    scheduler.cache.in_flight = 0  # an idle link takes each layer's prediction at once
+    scheduler.cache.in_flight = 0  # later steps of the round wait for their last layer, idle link or not
     predictor.observe(0, hidden, torch.tensor([[6, 7]]), torch.tensor([[0.5, 0.5]]), "draft")
-    assert scheduler.added[-1] == (0, [6, 7], [0.5, 0.5]) and scheduler.pumps == 2
+    assert scheduler.pumps == 1
+    predictor.observe(3, hidden, torch.tensor([[4, 5]]), torch.tensor([[1.0, 0.0]]), "draft")
+    assert scheduler.pumps == 2
+    predictor.observe(0, hidden, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]), "target")  # verification
+    predictor.observe(0, hidden, torch.tensor([[6, 7]]), torch.tensor([[0.5, 0.5]]), "draft")
+    assert scheduler.added[-1] == (0, [6, 7], [0.5, 0.5]) and scheduler.pumps == 3  # a new round: at once
+    predictor.observe(1, hidden, torch.tensor([[2, 0]]), torch.tensor([[0.75, 0.25]]), "draft")
+    assert scheduler.pumps == 3  # then the step's other layers wait for its end
 
 
 def test_router_lookahead_uses_the_next_layers_router(recording_scheduler):
