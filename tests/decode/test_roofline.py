@@ -351,8 +351,7 @@ def test_a_round_timed_on_a_compiled_path_trial_teaches_acceptance_but_not_costs
 
 
 class CliffMachine(Machine):
-    """Transfers grow steeply once a round's experts exceed what the cache holds (``fits`` over
-    the four layers): the line through narrow widths cannot see the cliff."""
+    """Transfers grow steeply past ``fits`` experts over the four layers (a cliff)."""
 
     def __init__(self, *args, fits: float = 44.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
