@@ -187,9 +187,10 @@ class RooflineGovernor(Governor):
                 return values[i - 1] + (values[i] - values[i - 1]) * (u(width) - lo) / (hi - lo)
             _, slope = fit_line([(u(t), v, w) for t, v, w in drafted])
             capacity = self.cache_slots_per_layer
-            streaming = [(u(t), v, w) for t, v, w in drafted if capacity is not None and u(t) > capacity]
-            if width > widths[-1] and len(streaming) >= 2:  # past the cache's size, the streaming widths' own slope
-                slope = max(slope, fit_line(streaming)[1])
+            if width > widths[-1] and capacity is not None:  # past the cache's size, the streaming widths' own slope
+                streaming = [(u(t), v, w) for t, v, w in drafted if u(t) > capacity]
+                if len(streaming) >= 2:
+                    slope = max(slope, fit_line(streaming)[1])
             edge = 0 if width < widths[0] else -1
             return max(0.0, values[edge] + slope * (u(width) - u(widths[edge])))
         if seen:
@@ -239,7 +240,7 @@ class RooflineGovernor(Governor):
             if rate > best_rate:
                 best, best_rate = row["k"], rate
         held = self._last_best
-        if best is not None and held is not None and held != best and held <= frontier:
+        if best is not None and held is not None and held != best:  # held <= frontier: it never narrows
             rate = rows[held]["predicted_tokens_per_s"]
             latency_ok = self.max_latency_ms is None or 1e3 / rate <= self.max_latency_ms
             if latency_ok and rate * (1 + HOLD_MARGIN) >= best_rate:
