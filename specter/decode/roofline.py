@@ -1,6 +1,6 @@
 """The ``roofline`` governor: picks k each round from an amortization roofline calibrated online.
-Its estimators (distinct experts, the non-negative line, isotonic regression, the moving
-average) are ``specter.decode.roofline_fit``.
+Its estimators (distinct experts, the non-negative cost fit, interpolation, isotonic regression,
+the moving average) are ``specter.decode.roofline_fit``.
 
 Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
 - Tokens per round with k drafts: ``1 + E[accepted(k)]``, ``E[accepted(k)] = sum_{i<=k} prod_{j<=i}
@@ -9,43 +9,39 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   estimate is shrunk towards the acceptance pooled over all positions).
 - Round time: ``T(k) = host + steps(k) * t_draft + V(k + 1)``. ``t_draft`` is the moving average of
   one draft step (``steps(k) = k + 1`` while the engine runs a routing-only step, ``k`` once its
-  ``draft_steps`` say it does not, 0 for k = 0); ``V(T)`` is the
-  flush + verification time of a width-T pass, transfer waits included, so the link's bandwidth,
-  the cache and streaming are all in it as they are on this machine. Each width keeps a moving
-  average; the drafted widths' averages are made non-decreasing in T (weighted isotonic
-  regression, each weighted by its sample count and halved every ``STALE_HALF_LIFE`` rounds since
-  it was last measured), and ``V(T)`` interpolates between them linearly in distinct experts
-  (``distinct_experts``: T tokens of top-k routing over E experts), the quantity a memory-bound
-  verification's cost follows, so a cost that jumps once a round's experts stop fitting the cache
-  is followed, not averaged away. Beyond the measured widths, the line ``a + b * distinct(T)``
-  fitted through them (weighted least squares, ``a, b >= 0``) extends the nearest one; past the
-  widest, with at least the slope of the line through the widths that stream (more distinct
-  experts per layer than ``cache_slots_per_layer``) once two of them are measured. A width
-  measured again after a long gap moves its average towards the new sample by ``1 - 0.5 ** (gap
-  / STALE_HALF_LIFE)`` at least, by half at least when the sample is more than ``CHANGE_FACTOR``
-  times off the average (conditions changed: noise on a slow link is not). A plain round (T = 1: no draft to hide transfers behind) keeps its own
-  average. Before any drafted width is measured, widths scale from T = 1 by distinct experts;
-  with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being
-  estimated as ``t_draft / draft_ratio``.
+  ``draft_steps`` say it does not, 0 for k = 0); ``V(T)`` is the flush + verification time of
+  a width-T pass, transfer waits included, so the link, the cache and streaming are in it as
+  they are on this machine. Drafted widths follow one cost fitted through the last
+  ``MAX_SAMPLES`` drafted rounds (``verify_curve``): ``a + b * distinct(T) + c * T + d *
+  max(0, distinct(T) - cache_slots_per_layer)``, coefficients ``>= 0`` (``fit_nonnegative``;
+  ``distinct_experts``: T tokens of top-k routing over E experts): the experts read, the tokens
+  computed, the experts a layer reads beyond the cache's slots (they stream). A round weighs
+  ``0.5 ** (age / STALE_HALF_LIFE)``; once a round shows that conditions changed
+  (``CHANGE_FACTOR``), only the rounds since count (while they are all of one width, the fit
+  through every round scaled to them). One fit, not an average per width, because a round's
+  time depends on the widths before it, so a width probed once reads wrong (design notes, stop
+  29). Each measured width adds its mean residual shrunk by ``RESIDUAL_PRIOR`` rounds (a cost
+  the terms cannot follow shows once a width has run a while); the curve is non-decreasing in
+  T. A plain round (T = 1) keeps its own moving average (moved further by a sample more than
+  ``CHANGE_FACTOR`` off or after a long gap). The governor's first round is not measured (the
+  cache holds what the prefill left). With no drafted round yet, widths scale from T = 1 by
+  distinct experts; with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target
+  steps, a target step being estimated as ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
   and within ``frontier()``: at most ``FRONTIER_STEP`` beyond the widest k measured, so wider
-  ones are reached step by step, each measured before the next is extrapolated: the line
-  through widths that fit the cache cannot see the cost that jumps once a round's experts stop
-  fitting (widened model, 50% of the experts, emulated 2 GB/s: allowed k = 16 at once, the
-  governor went there from k = 4, and fixed k = 12 ran at 0.84x k = 6). Where even a round of
-  ``FRONTIER_STEP`` drafts streams (more distinct experts per layer than
-  ``cache_slots_per_layer``, the engine's cache slots over its MoE layers), every round streams,
-  there is no such cliff ahead, and any k up to ``k_max`` may be chosen (25% of the experts:
-  fixed k = 14 ran at 1.14x k = 8, the governor reached 1.11x the best fixed k <= 8);
-  the current choice is kept while no other k is predicted more than ``HOLD_MARGIN`` faster, so
-  noise on a flat roofline does not make it flap.
+  ones are reached step by step, each measured before the next is extrapolated (a fit through
+  widths that fit the cache cannot see the cost that jumps once a round's experts stop
+  fitting), except where even a round of ``FRONTIER_STEP`` drafts streams (more distinct
+  experts per layer than ``cache_slots_per_layer``, the engine's cache slots over its MoE
+  layers): every round streams, there is no such cliff ahead, and any k up to ``k_max`` may be
+  chosen. The current choice is kept while no other k is predicted more than ``HOLD_MARGIN``
+  faster (``SWITCH_MARGIN`` where one of them is 0): on a flat roofline, noise must not make it
+  flap, and each change of k costs a round that pays for the other width's cache contents.
   k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 2
   when speculation is off, and every third time the k whose width was measured least recently
   among those predicted within ``FAR_PROBE_RANGE`` of the best rate, k = 0 first when its own
-  average is older than ``STALE_HALF_LIFE`` rounds)
-  so that estimates stay fresh, widths far from its choice are measured rather than
-  extrapolated, and it notices when conditions change:
+  average is older than ``STALE_HALF_LIFE`` rounds), so that it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
   most 8 x ``probe_every``), back to ``probe_every`` when the choice changes, and two rounds
   after a probe whose first draft token was accepted (or rejected) against the odds, a probe
@@ -53,18 +49,14 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   from its value, so the next observations move it fast and a draft that got good again is seen
   within a few probes), or a round whose time was more than ``TIME_SURPRISE`` off its prediction
   and more than ``SPREAD_MULT`` times the usual miss (a moving average of ``|log(measured /
-  predicted)|`` over chosen rounds: where rounds scatter, as on a slow link whose misses vary,
-  a round as far off as they usually are is noise, not news; on the widened model at 50% with
-  an emulated 2 GB/s link the median miss was 18.5% and a third of the rounds were more than 35%
-  off). Such a round more than ``CHANGE_FACTOR`` times off ages every other width's average by
-  four half-lives, so its next sample replaces most of it, and tries both neighbours of its k in
-  the next rounds. The first
-  rounds visit k0, 0, 1 and 2 to calibrate, and so do the first rounds after ``link_changed()``
-  (the engine moved to another link), which also counts as a change of conditions. A plain round
-  right after a drafted one finds the draft's prefetches in the cache and would make k = 0 look
-  cheap, so once the plain round has an average measured since the last change of conditions
-  such a round is not measured, and k = 0 is visited (calibrated or probed) for two rounds in a
-  row.
+  predicted)|`` over chosen rounds: where rounds scatter, as on a slow link, a round as far off
+  as they usually are is noise, not news). Such a round more than ``CHANGE_FACTOR`` times off
+  marks a change of conditions (see ``V(T)``) and tries both neighbours of its k next. The
+  first rounds visit k0, 0, 1 and 2 to calibrate, and so do the first rounds after
+  ``link_changed()`` (the engine moved to another link), which also marks a change. A plain
+  round right after a drafted one finds the draft's prefetches in the cache and would make k = 0
+  look cheap: once the plain round has an average measured since the last change such a round
+  is not measured, and k = 0 is visited (calibrated or probed) for two rounds in a row.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored. A round
   whose ``path_trial`` is set (a compiled engine tried a path it had measured slower) counts for
@@ -82,21 +74,24 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from collections import deque
 
 from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import Governor
-from specter.decode.roofline_fit import Ema, distinct_experts, fit_line, monotone
+from specter.decode.roofline_fit import Ema, cost_curve, distinct_experts
 
 log = logging.getLogger("specter.governor")
-MIN_POSITION_SAMPLES = 20  # a width's verify samples count at most this much in the fit
+MAX_SAMPLES = 96  # the drafted rounds the verify cost is fitted through (the most recent)
+RESIDUAL_PRIOR = 1.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
 TIME_SURPRISE = 0.35  # a round this far (relative) from its predicted time makes the governor look around
 FAR_PROBE_RANGE = 0.6  # far probes only try a k predicted within this fraction of the best rate
 CHANGE_FACTOR = 2.0  # a time off by this factor (either way) means conditions changed, not noise
-STALE_HALF_LIFE = 24  # rounds: a width's verify average loses half its weight in the fit per this many
+STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
 SPREAD_MULT = 3.0  # a round no further off than this many times the typical miss is noise
-HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
+HOLD_MARGIN = 0.06  # another k must be predicted this much faster (relative) to replace the current choice
+SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
 FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured
 
 
@@ -133,6 +128,9 @@ class RooflineGovernor(Governor):
         self.verify: dict[int, Ema] = {}  # width T -> flush + verify seconds
         self.verify_count: dict[int, int] = {}
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
+        self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # drafted: (width, seconds, round)
+        self._curve_key: tuple | None = None
+        self._curve: list[float] | None = None
         self._changed_at = -1  # the round whose time showed that conditions changed
         self._previous_drafted = 0  # tokens the last observed round drafted
         self.rounds = 0
@@ -155,49 +153,53 @@ class RooflineGovernor(Governor):
 
     def verify_s(self, width: int) -> float | None:
         """Predicted flush + verify seconds of a width-T pass. A plain round (T = 1, nothing
-        drafted, so no transfer hidden behind a draft) is its own moving average. Drafted widths
-        interpolate, in distinct experts, between the per-width averages made monotone in T
-        (``monotone``: one lucky or unlucky width cannot make the roofline jagged), so a cost that
-        jumps when a round stops fitting the cache is followed; beyond the measured widths the
-        line ``a + b * distinct(T)`` fitted through them extends the nearest one. Once a round
-        shows that conditions changed (``CHANGE_FACTOR``), the widths measured before stand on
-        the line through those measured since until they are measured again: an estimate made on
-        another link does not keep its k from being chosen or probed."""
-        u = lambda t: distinct_experts(t, self.n_experts, self.top_k)  # noqa: E731
-        seen = {t: e.value for t, e in self.verify.items() if e.value is not None}
-        if width == 1 and 1 in seen:
-            return seen[1]
-        drafted = sorted((t, v, min(self.verify_count[t], MIN_POSITION_SAMPLES)
-                          * 0.5 ** ((self.rounds - self.verify_round[t]) / STALE_HALF_LIFE))
-                         for t, v in seen.items() if t > 1)
-        if drafted:
-            widths = [t for t, _, _ in drafted]
-            since_change = [(u(t), v, w) for t, v, w in drafted if self.verify_round[t] >= self._changed_at]
-            if since_change and len(since_change) < len(drafted):
-                # widths measured before conditions changed follow the line through those measured since
-                a, b = fit_line(since_change)
-                drafted = [(t, v if self.verify_round[t] >= self._changed_at else a + b * u(t), w)
-                           for t, v, w in drafted]
-            values = monotone([(v, w) for _, v, w in drafted])
-            if widths[0] <= width <= widths[-1]:
-                i = next(i for i, t in enumerate(widths) if t >= width)
-                if widths[i] == width:
-                    return values[i]
-                lo, hi = u(widths[i - 1]), u(widths[i])
-                return values[i - 1] + (values[i] - values[i - 1]) * (u(width) - lo) / (hi - lo)
-            _, slope = fit_line([(u(t), v, w) for t, v, w in drafted])
-            capacity = self.cache_slots_per_layer
-            if width > widths[-1] and capacity is not None:  # past the cache's size, the streaming widths' own slope
-                streaming = [(u(t), v, w) for t, v, w in drafted if u(t) > capacity]
-                if len(streaming) >= 2:
-                    slope = max(slope, fit_line(streaming)[1])
-            edge = 0 if width < widths[0] else -1
-            return max(0.0, values[edge] + slope * (u(width) - u(widths[edge])))
-        if seen:
-            return seen[1] * u(width) / u(1)
+        drafted, so no transfer hidden behind a draft) is its own moving average; drafted widths
+        follow ``verify_curve()``. Before any drafted round, widths scale from T = 1 by distinct
+        experts, and with no measurement at all from the draft step (``draft_ratio``)."""
+        u = distinct_experts(width, self.n_experts, self.top_k) / distinct_experts(1, self.n_experts, self.top_k)
+        plain = self.verify.get(1)
+        if width == 1 and plain is not None and plain.value is not None:
+            return plain.value
+        curve = self.verify_curve()
+        if curve is not None:
+            return curve[min(width, len(curve) - 1)]
+        if plain is not None and plain.value is not None:
+            return plain.value * u
         if self.draft_step.value is None:
             return None
-        return self.draft_step.value / self.draft_ratio * u(width) / u(1)
+        return self.draft_step.value / self.draft_ratio * u
+
+    def cost_terms(self, width: int) -> list[float]:
+        """The terms a width-T verification's cost is a non-negative sum of: 1, distinct experts,
+        tokens, and (where the cache's size is known) the distinct experts beyond its slots per
+        layer, which stream through it."""
+        experts = distinct_experts(width, self.n_experts, self.top_k)
+        terms = [1.0, experts, float(width)]
+        if self.cache_slots_per_layer is not None:
+            terms.append(max(0.0, experts - self.cache_slots_per_layer))
+        return terms
+
+    def verify_curve(self) -> list[float] | None:
+        """Predicted verify seconds by width (index T, 2..k_max + 1; None before a drafted round):
+        ``curve_through`` the drafted rounds measured since conditions last changed where they
+        span two widths or more; where they span one, the curve through every round scaled to
+        that width's mean since (conditions changed by a factor: the shape is kept)."""
+        key = (self.rounds, self._changed_at, len(self.samples))
+        if key != self._curve_key:
+            since = [(t, v, r) for t, v, r in self.samples if r >= self._changed_at]
+            curve = self.curve_through(since) if len({t for t, _, _ in since}) > 1 else self.curve_through(self.samples)
+            if curve is not None and since and len({t for t, _, _ in since}) == 1:
+                width = since[0][0]
+                mean = sum(v for _, v, _ in since) / len(since)
+                curve = [c * mean / curve[width] if curve[width] > 0 else c for c in curve]
+            self._curve_key, self._curve = key, curve
+        return self._curve
+
+    def curve_through(self, samples) -> list[float] | None:
+        """``cost_curve`` through (width, seconds, round) samples, each weighted by ``0.5 ** (age /
+        STALE_HALF_LIFE)``, residuals shrunk by ``RESIDUAL_PRIOR`` rounds."""
+        weighted = [(t, v, 0.5 ** ((self.rounds - r) / STALE_HALF_LIFE)) for t, v, r in samples]
+        return cost_curve(weighted, [self.cost_terms(t) for t in range(self.k_max + 2)], RESIDUAL_PRIOR)
 
     def round_s(self, k: int) -> float | None:
         verify = self.verify_s(k + 1)
@@ -243,7 +245,8 @@ class RooflineGovernor(Governor):
         if best is not None and held is not None and held != best:  # held <= frontier: it never narrows
             rate = rows[held]["predicted_tokens_per_s"]
             latency_ok = self.max_latency_ms is None or 1e3 / rate <= self.max_latency_ms
-            if latency_ok and rate * (1 + HOLD_MARGIN) >= best_rate:
+            margin = HOLD_MARGIN if held and best else SWITCH_MARGIN  # turning speculation on or off: its own
+            if latency_ok and rate * (1 + margin) >= best_rate:
                 return held
         return best
 
@@ -287,7 +290,7 @@ class RooflineGovernor(Governor):
             best = max((r for r in rates if r is not None), default=None)
             others = [c for c in range(self.frontier() + 1) if c != k
                       and (best is None or rates[c] is None or rates[c] >= FAR_PROBE_RANGE * best)]
-            # the plain round's own average cannot follow the line through the drafted widths: refreshed first once stale
+            # the plain round's own average cannot follow the fit through the drafted widths: refreshed first once stale
             plain_stale = self.rounds - self.verify_round.get(1, -math.inf) > STALE_HALF_LIFE
             return min(others, key=lambda c: (not (c == 0 and plain_stale), self.verify_round.get(c + 1, -math.inf),
                                               abs(c - k))) if others else k
@@ -322,7 +325,8 @@ class RooflineGovernor(Governor):
                 self.extra_steps = max(0, steps - drafted)
         after_draft, self._previous_drafted = self._previous_drafted, drafted
         warm_plain = drafted == 0 and after_draft and self.verify_round.get(1, -1) >= max(self._changed_at, 0)
-        if "verify_s" in timings and not warm_plain and not trial:
+        first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
+        if "verify_s" in timings and not warm_plain and not trial and not first:
             width = drafted + 1
             age = self.rounds - self.verify_round.get(width, self.rounds)
             step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
@@ -334,6 +338,8 @@ class RooflineGovernor(Governor):
             average.update(sample, step)
             self.verify_count[width] = self.verify_count.get(width, 0) + 1
             self.verify_round[width] = self.rounds
+            if width > 1:
+                self.samples.append((width, sample, self.rounds))
         if "host_s" in timings:
             self.host.update(max(0.0, timings["host_s"]))
         if self.history and "round_s" in timings:
@@ -367,7 +373,7 @@ class RooflineGovernor(Governor):
 
     def link_changed(self) -> None:
         """Conditions changed by the engine's own account: treated as a round showing a change
-        (every width measured so far stands on the line through those measured from now on, and
+        (every width measured so far stands on the fit through those measured from now on, and
         is replaced by its next sample), and the first rounds calibrate again."""
         self._changed_at = self.rounds + 1
         self._calibration = calibration_rounds(self.k0, self.k_max)
