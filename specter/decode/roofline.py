@@ -17,8 +17,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   ``distinct_experts``: T tokens of top-k routing over E experts): the experts read, the tokens
   computed, the experts a layer reads beyond the cache's slots (they stream). A round weighs
   ``0.5 ** (age / STALE_HALF_LIFE)``; once a round shows that conditions changed
-  (``CHANGE_FACTOR``), only the rounds since count (while they are all of one width, the fit
-  through every round scaled to them). One fit, not an average per width, because a round's
+  (``CHANGE_FACTOR``), only the rounds since count (while they span fewer than
+  ``OWN_FIT_WIDTHS`` widths, the fit through every round scaled to them). One fit, not an average per width, because a round's
   time depends on the widths before it, so a width probed once reads wrong (design notes, stop
   29). Each measured width adds its mean residual shrunk by ``RESIDUAL_PRIOR`` rounds (a cost
   the terms cannot follow shows once a width has run a while); the curve is non-decreasing in
@@ -82,6 +82,7 @@ from specter.decode.roofline_fit import Ema, cost_curve, distinct_experts
 
 log = logging.getLogger("specter.governor")
 MAX_SAMPLES = 96  # the drafted rounds the verify cost is fitted through (the most recent)
+OWN_FIT_WIDTHS = 3  # after a change of conditions, the rounds since are fitted alone once they span this many widths
 RESIDUAL_PRIOR = 1.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
 TIME_SURPRISE = 0.35  # a round this far (relative) from its predicted time makes the governor look around
@@ -182,16 +183,20 @@ class RooflineGovernor(Governor):
     def verify_curve(self) -> list[float] | None:
         """Predicted verify seconds by width (index T, 2..k_max + 1; None before a drafted round):
         ``curve_through`` the drafted rounds measured since conditions last changed where they
-        span two widths or more; where they span one, the curve through every round scaled to
-        that width's mean since (conditions changed by a factor: the shape is kept)."""
+        span ``OWN_FIT_WIDTHS`` widths or more; where they span fewer, the curve through every
+        round scaled to them (a line through one or two widths would put every other width on
+        it, however far)."""
         key = (self.rounds, self._changed_at, len(self.samples))
         if key != self._curve_key:
             since = [(t, v, r) for t, v, r in self.samples if r >= self._changed_at]
-            curve = self.curve_through(since) if len({t for t, _, _ in since}) > 1 else self.curve_through(self.samples)
-            if curve is not None and since and len({t for t, _, _ in since}) == 1:
-                width = since[0][0]
-                mean = sum(v for _, v, _ in since) / len(since)
-                curve = [c * mean / curve[width] if curve[width] > 0 else c for c in curve]
+            if len({t for t, _, _ in since}) >= OWN_FIT_WIDTHS:
+                curve = self.curve_through(since)
+            else:
+                curve = self.curve_through(self.samples)
+                predicted = sum(curve[t] for t, _, _ in since) if curve and since else 0.0
+                if predicted > 0:
+                    scale = sum(v for _, v, _ in since) / predicted
+                    curve = [c * scale for c in curve]
             self._curve_key, self._curve = key, curve
         return self._curve
 
