@@ -13,13 +13,16 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   a width-T pass, transfer waits included, so the link, the cache and streaming are in it as
   they are on this machine. Drafted widths follow one cost fitted through the last
   ``MAX_SAMPLES`` drafted rounds (``verify_curve``): ``a + b * distinct(T) + c * T + d *
-  max(0, distinct(T) - cache_slots_per_layer)``, coefficients ``>= 0`` (``fit_nonnegative``;
-  ``distinct_experts``: T tokens of top-k routing over E experts): the experts read, the tokens
-  computed, the experts a layer reads beyond the cache's slots (they stream). A round weighs
-  ``0.5 ** (age / STALE_HALF_LIFE)``; once a round shows that conditions changed
-  (``CHANGE_FACTOR``), only the rounds since count (while they span fewer than
-  ``OWN_FIT_WIDTHS`` widths, the fit through every round scaled to them). One fit, not an average per width, because a round's
-  time depends on the widths before it, so a width probed once reads wrong (design notes, stop
+  max(0, distinct(T) - cache_slots_per_layer) + e * up - f * down``, coefficients ``>= 0``
+  (``fit_nonnegative``; ``distinct_experts``: T tokens of top-k routing over E experts): the
+  experts read, the tokens computed, the experts a layer reads beyond the cache's slots (they
+  stream), and how many more (``up``) or fewer (``down``) distinct experts the round's width
+  reads than the previous round's (``cost_terms``); a width's steady cost, the roofline's, has
+  ``up = down = 0``. A round weighs ``0.5 ** (age / STALE_HALF_LIFE)``; once a round shows that
+  conditions changed (``CHANGE_FACTOR``), only the rounds since count (while they span fewer
+  than ``OWN_FIT_WIDTHS`` widths, the fit through every round scaled to them). One fit, not an
+  average per width, because a round's time depends on the width before it: a width probed
+  once from another reads wrong, and probes downwards read cheap (design notes, stops 28 and
   29). Each measured width adds its mean residual shrunk by ``RESIDUAL_PRIOR`` rounds (a cost
   the terms cannot follow shows once a width has run a while); the curve is non-decreasing in
   T. A plain round (T = 1) keeps its own moving average (moved further by a sample more than
@@ -129,7 +132,7 @@ class RooflineGovernor(Governor):
         self.verify: dict[int, Ema] = {}  # width T -> flush + verify seconds
         self.verify_count: dict[int, int] = {}
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
-        self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # drafted: (width, seconds, round)
+        self.samples: deque[tuple[int, float, int, int]] = deque(maxlen=MAX_SAMPLES)  # drafted: (width, seconds, round, previous width)
         self._curve_key: tuple | None = None
         self._curve: list[float] | None = None
         self._changed_at = -1  # the round whose time showed that conditions changed
@@ -170,15 +173,19 @@ class RooflineGovernor(Governor):
             return None
         return self.draft_step.value / self.draft_ratio * u
 
-    def cost_terms(self, width: int) -> list[float]:
+    def cost_terms(self, width: int, previous: int | None = None) -> list[float]:
         """The terms a width-T verification's cost is a non-negative sum of: 1, distinct experts,
-        tokens, and (where the cache's size is known) the distinct experts beyond its slots per
-        layer, which stream through it."""
+        tokens, (where the cache's size is known) the distinct experts beyond its slots per layer,
+        which stream through it, and the distinct experts it reads beyond (up) or short of (down,
+        negative) those of the ``previous`` round's width: a round after a narrower one pays for
+        experts that one did not bring in, after a wider one finds more of its own. A width's
+        steady cost (``previous`` the same width) has 0 for both."""
         experts = distinct_experts(width, self.n_experts, self.top_k)
         terms = [1.0, experts, float(width)]
         if self.cache_slots_per_layer is not None:
             terms.append(max(0.0, experts - self.cache_slots_per_layer))
-        return terms
+        before = experts if previous is None else distinct_experts(previous, self.n_experts, self.top_k)
+        return terms + [max(0.0, experts - before), min(0.0, experts - before)]
 
     def verify_curve(self) -> list[float] | None:
         """Predicted verify seconds by width (index T, 2..k_max + 1; None before a drafted round):
@@ -188,22 +195,22 @@ class RooflineGovernor(Governor):
         it, however far)."""
         key = (self.rounds, self._changed_at, len(self.samples))
         if key != self._curve_key:
-            since = [(t, v, r) for t, v, r in self.samples if r >= self._changed_at]
-            if len({t for t, _, _ in since}) >= OWN_FIT_WIDTHS:
+            since = [sample for sample in self.samples if sample[2] >= self._changed_at]
+            if len({t for t, *_ in since}) >= OWN_FIT_WIDTHS:
                 curve = self.curve_through(since)
             else:
                 curve = self.curve_through(self.samples)
-                predicted = sum(curve[t] for t, _, _ in since) if curve and since else 0.0
+                predicted = sum(curve[t] for t, *_ in since) if curve and since else 0.0
                 if predicted > 0:
-                    scale = sum(v for _, v, _ in since) / predicted
+                    scale = sum(v for _, v, *_ in since) / predicted
                     curve = [c * scale for c in curve]
             self._curve_key, self._curve = key, curve
         return self._curve
 
     def curve_through(self, samples) -> list[float] | None:
-        """``cost_curve`` through (width, seconds, round) samples, each weighted by ``0.5 ** (age /
-        STALE_HALF_LIFE)``, residuals shrunk by ``RESIDUAL_PRIOR`` rounds."""
-        weighted = [(t, v, 0.5 ** ((self.rounds - r) / STALE_HALF_LIFE)) for t, v, r in samples]
+        """``cost_curve`` through (width, seconds, round, previous width) samples, each weighted
+        by ``0.5 ** (age / STALE_HALF_LIFE)``, residuals shrunk by ``RESIDUAL_PRIOR`` rounds."""
+        weighted = [(t, self.cost_terms(t, p), v, 0.5 ** ((self.rounds - r) / STALE_HALF_LIFE)) for t, v, r, p in samples]
         return cost_curve(weighted, [self.cost_terms(t) for t in range(self.k_max + 2)], RESIDUAL_PRIOR)
 
     def round_s(self, k: int) -> float | None:
@@ -344,7 +351,7 @@ class RooflineGovernor(Governor):
             self.verify_count[width] = self.verify_count.get(width, 0) + 1
             self.verify_round[width] = self.rounds
             if width > 1:
-                self.samples.append((width, sample, self.rounds))
+                self.samples.append((width, sample, self.rounds, after_draft + 1))
         if "host_s" in timings:
             self.host.update(max(0.0, timings["host_s"]))
         if self.history and "round_s" in timings:

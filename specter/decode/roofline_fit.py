@@ -26,28 +26,29 @@ PREFERRED_TERMS = 2  # among equally good fits, one using only the first two ter
 
 def fit_nonnegative(rows: list[tuple[Sequence[float], float, float]]) -> tuple[float, ...]:
     """Weighted least squares ``y = sum_i c_i x_i`` over (features x, y, weight) rows with every
-    ``c_i >= 0``: each subset of the terms is fitted (its normal equations) and the feasible fit
-    with the smallest weighted squared error wins; among equal ones (few distinct rows fit several
-    subsets exactly) the first found: subsets of the first ``PREFERRED_TERMS`` terms first, then
-    by size, later terms first (one row: through the origin in the second term). Terms a subset leaves out are 0; no rows, or none determined, gives all zeros."""
+    ``c_i >= 0``. Subsets of the terms are fitted (their normal equations) in order, subsets of
+    the first ``PREFERRED_TERMS`` terms first, then by size, later terms first; the first whose
+    fit is non-negative and optimal (no left-out term would lower the error: the Karush-Kuhn-
+    Tucker conditions) is the answer, so among equally good fits (few distinct rows fit several
+    subsets exactly) the line is kept, and one row gives the line through the origin in the
+    second term. Terms a subset leaves out are 0; no rows, or none determined, gives all zeros."""
     n = len(rows[0][0]) if rows else 0
     normal = [[sum(w * x[i] * x[j] for x, _, w in rows) for j in range(n)] for i in range(n)]
     right = [sum(w * x[i] * y for x, y, w in rows) for i in range(n)]
-    total = sum(w * y * y for _, y, w in rows)
+    tolerance = 1e-9 * max((abs(r) for r in right), default=1.0)
     subsets = [s for size in range(1, n + 1) for s in combinations(range(n), size)]
     subsets.sort(key=lambda s: (max(s) >= PREFERRED_TERMS, len(s), -sum(s)))
-    best: tuple[float, list[float]] | None = None
     for terms in subsets:
         solved = _solve([[normal[i][j] for j in terms] for i in terms], [right[i] for i in terms])
         if solved is None or min(solved) < 0:
             continue
-        error = total - sum(c * right[i] for c, i in zip(solved, terms))  # at the least-squares optimum
-        if best is None or error < best[0] - 1e-9 * (total or 1.0):
-            coefficients = [0.0] * n
-            for c, i in zip(solved, terms):
-                coefficients[i] = c
-            best = (error, coefficients)
-    return tuple(best[1]) if best else (0.0,) * n
+        coefficients = [0.0] * n
+        for c, i in zip(solved, terms):
+            coefficients[i] = c
+        gradient = [sum(normal[j][i] * coefficients[i] for i in terms) - right[j] for j in range(n)]
+        if all(gradient[j] >= -tolerance for j in range(n) if j not in terms):
+            return tuple(coefficients)
+    return (0.0,) * n
 
 
 def _solve(matrix: list[list[float]], right: list[float]) -> list[float] | None:
@@ -67,23 +68,28 @@ def _solve(matrix: list[list[float]], right: list[float]) -> list[float] | None:
     return [rows[i][n] / rows[i][i] for i in range(n)]
 
 
-def cost_curve(samples: list[tuple[int, float, float]], terms: list[list[float]], prior: float) -> list[float] | None:
+def cost_curve(samples: list[tuple[int, Sequence[float], float, float]], steady: list[list[float]],
+               prior: float) -> list[float] | None:
     """Seconds by width T (index T; entries 0 and 1 are 0: drafted widths start at 2) through
-    (width, seconds, weight) samples: the coefficients of ``terms[T]`` fitted
-    (``fit_nonnegative``); each measured width adds its mean residual shrunk by ``prior``
-    samples (``interpolate``d between measured widths, the nearest one's beyond), so a cost the
-    terms cannot follow shows once a width is measured often; the curve is then made
-    non-decreasing (``monotone``). None without samples."""
-    sums: dict[int, list[float]] = {}  # width -> [weight, weighted seconds]: samples of one width share their terms
-    for t, v, w in samples:
-        total = sums.setdefault(t, [0.0, 0.0])
+    (width, terms, seconds, weight) samples: the terms' coefficients fitted
+    (``fit_nonnegative``), the curve at ``steady[T]``'s terms; each measured width adds its mean
+    residual shrunk by ``prior`` samples (``interpolate``d between measured widths, the nearest
+    one's beyond), so a cost the terms cannot follow shows once a width is measured often; the
+    curve is then made non-decreasing (``monotone``). None without samples."""
+    rows: dict[tuple[float, ...], list[float]] = {}  # terms -> [weight, weighted seconds]: one row each
+    for _, terms, v, w in samples:
+        total = rows.setdefault(tuple(terms), [0.0, 0.0])
         total[0], total[1] = total[0] + w, total[1] + w * v
-    if not sums:
+    if not rows:
         return None
-    fit = fit_nonnegative([(terms[t], v / w, w) for t, (w, v) in sums.items()])
-    cost = [sum(c * x for c, x in zip(fit, row)) for row in terms]
-    residual = {t: (v - w * cost[t]) / (w + prior) for t, (w, v) in sorted(sums.items())}
-    return [0.0, 0.0] + monotone([max(0.0, cost[t] + interpolate(residual, t)) for t in range(2, len(terms))])
+    fit = fit_nonnegative([(terms, v / w, w) for terms, (w, v) in rows.items()])
+    cost = lambda terms: sum(c * x for c, x in zip(fit, terms))  # noqa: E731
+    sums: dict[int, list[float]] = {}  # width -> [weight, weighted residual]
+    for t, terms, v, w in samples:
+        total = sums.setdefault(t, [0.0, 0.0])
+        total[0], total[1] = total[0] + w, total[1] + w * (v - cost(terms))
+    residual = {t: r / (w + prior) for t, (w, r) in sorted(sums.items())}
+    return [0.0, 0.0] + monotone([max(0.0, cost(steady[t]) + interpolate(residual, t)) for t in range(2, len(steady))])
 
 
 def interpolate(points: dict[int, float], x: int) -> float:
