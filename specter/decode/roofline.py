@@ -1,6 +1,6 @@
 """The ``roofline`` governor: picks k each round from an amortization roofline calibrated online.
-Its estimators (distinct experts, the non-negative cost fit, interpolation, isotonic regression,
-the moving average) are ``specter.decode.roofline_fit``.
+Its verification cost model is ``specter.decode.roofline_cost``; its estimators (distinct
+experts, the non-negative fit, isotonic regression, the moving average) ``roofline_fit``.
 
 Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
 - Tokens per round with k drafts: ``1 + E[accepted(k)]``, ``E[accepted(k)] = sum_{i<=k} prod_{j<=i}
@@ -11,21 +11,13 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   one draft step (``steps(k) = k + 1`` while the engine runs a routing-only step, ``k`` once its
   ``draft_steps`` say it does not, 0 for k = 0); ``V(T)`` is the flush + verification time of
   a width-T pass, transfer waits included, so the link, the cache and streaming are in it as
-  they are on this machine. Drafted widths follow one cost fitted through the last
-  ``MAX_SAMPLES`` drafted rounds (``verify_curve``): ``a + b * distinct(T) + c * T + d *
-  max(0, distinct(T) - cache_slots_per_layer) + e * up - f * down``, coefficients ``>= 0``
-  (``fit_nonnegative``; ``distinct_experts``: T tokens of top-k routing over E experts): the
-  experts read, the tokens computed, the experts a layer reads beyond the cache's slots (they
-  stream), and how many more (``up``) or fewer (``down``) distinct experts the round's width
-  reads than the previous round's (``cost_terms``); a width's steady cost, the roofline's, has
-  ``up = down = 0``. A round weighs ``0.5 ** (age / STALE_HALF_LIFE)``; once a round shows that
-  conditions changed (``CHANGE_FACTOR``), only the rounds since count (while they span fewer
-  than ``OWN_FIT_WIDTHS`` widths, the fit through every round scaled to them). One fit, not an
-  average per width, because a round's time depends on the width before it: a width probed
-  once from another reads wrong, and probes downwards read cheap (design notes, stops 28 and
-  29). Each measured width adds its mean residual shrunk by ``RESIDUAL_PRIOR`` rounds (a cost
-  the terms cannot follow shows once a width has run a while); the curve is non-decreasing in
-  T. A plain round (T = 1) keeps its own moving average (moved further by a sample more than
+  they are on this machine. Drafted widths follow ``VerifyCost`` (``specter.decode.roofline_cost``):
+  one non-negative fit, through the recent drafted rounds, of the experts read, the tokens, the
+  experts streamed past the cache's slots, and the experts read beyond or short of the previous
+  round's width (a round's time depends on it), taken at a width's steady cost; rounds since
+  conditions last changed (``CHANGE_FACTOR``) count alone once they span three widths (until
+  then they scale the fit through the rounds before); the curve
+  is non-decreasing in T. A plain round (T = 1) keeps its own moving average (moved further by a sample more than
   ``CHANGE_FACTOR`` off or after a long gap). The governor's first round is not measured (the
   cache holds what the prefill left). With no drafted round yet, widths scale from T = 1 by
   distinct experts; with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target
@@ -77,21 +69,17 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections import deque
 
 from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import Governor
-from specter.decode.roofline_fit import Ema, cost_curve, distinct_experts
+from specter.decode.roofline_cost import STALE_HALF_LIFE, VerifyCost
+from specter.decode.roofline_fit import Ema, distinct_experts
 
 log = logging.getLogger("specter.governor")
-MAX_SAMPLES = 96  # the drafted rounds the verify cost is fitted through (the most recent)
-OWN_FIT_WIDTHS = 3  # after a change of conditions, the rounds since are fitted alone once they span this many widths
-RESIDUAL_PRIOR = 1.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
 TIME_SURPRISE = 0.35  # a round this far (relative) from its predicted time makes the governor look around
 FAR_PROBE_RANGE = 0.6  # far probes only try a k predicted within this fraction of the best rate
 CHANGE_FACTOR = 2.0  # a time off by this factor (either way) means conditions changed, not noise
-STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
 SPREAD_MULT = 3.0  # a round no further off than this many times the typical miss is noise
 HOLD_MARGIN = 0.06  # another k must be predicted this much faster (relative) to replace the current choice
@@ -132,9 +120,7 @@ class RooflineGovernor(Governor):
         self.verify: dict[int, Ema] = {}  # width T -> flush + verify seconds
         self.verify_count: dict[int, int] = {}
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
-        self.samples: deque[tuple[int, float, int, int]] = deque(maxlen=MAX_SAMPLES)  # drafted: (width, seconds, round, previous width)
-        self._curve_key: tuple | None = None
-        self._curve: list[float] | None = None
+        self.cost = VerifyCost(n_experts, top_k, k_max, cache_slots_per_layer)  # drafted widths' verify seconds
         self._changed_at = -1  # the round whose time showed that conditions changed
         self._previous_drafted = 0  # tokens the last observed round drafted
         self.rounds = 0
@@ -158,13 +144,13 @@ class RooflineGovernor(Governor):
     def verify_s(self, width: int) -> float | None:
         """Predicted flush + verify seconds of a width-T pass. A plain round (T = 1, nothing
         drafted, so no transfer hidden behind a draft) is its own moving average; drafted widths
-        follow ``verify_curve()``. Before any drafted round, widths scale from T = 1 by distinct
+        follow ``self.cost`` (``VerifyCost``). Before any drafted round, widths scale from T = 1 by distinct
         experts, and with no measurement at all from the draft step (``draft_ratio``)."""
         u = distinct_experts(width, self.n_experts, self.top_k) / distinct_experts(1, self.n_experts, self.top_k)
         plain = self.verify.get(1)
         if width == 1 and plain is not None and plain.value is not None:
             return plain.value
-        curve = self.verify_curve()
+        curve = self.cost.curve(self.rounds, self._changed_at)
         if curve is not None:
             return curve[min(width, len(curve) - 1)]
         if plain is not None and plain.value is not None:
@@ -172,46 +158,6 @@ class RooflineGovernor(Governor):
         if self.draft_step.value is None:
             return None
         return self.draft_step.value / self.draft_ratio * u
-
-    def cost_terms(self, width: int, previous: int | None = None) -> list[float]:
-        """The terms a width-T verification's cost is a non-negative sum of: 1, distinct experts,
-        tokens, (where the cache's size is known) the distinct experts beyond its slots per layer,
-        which stream through it, and the distinct experts it reads beyond (up) or short of (down,
-        negative) those of the ``previous`` round's width: a round after a narrower one pays for
-        experts that one did not bring in, after a wider one finds more of its own. A width's
-        steady cost (``previous`` the same width) has 0 for both."""
-        experts = distinct_experts(width, self.n_experts, self.top_k)
-        terms = [1.0, experts, float(width)]
-        if self.cache_slots_per_layer is not None:
-            terms.append(max(0.0, experts - self.cache_slots_per_layer))
-        before = experts if previous is None else distinct_experts(previous, self.n_experts, self.top_k)
-        return terms + [max(0.0, experts - before), min(0.0, experts - before)]
-
-    def verify_curve(self) -> list[float] | None:
-        """Predicted verify seconds by width (index T, 2..k_max + 1; None before a drafted round):
-        ``curve_through`` the drafted rounds measured since conditions last changed where they
-        span ``OWN_FIT_WIDTHS`` widths or more; where they span fewer, the curve through every
-        round scaled to them (a line through one or two widths would put every other width on
-        it, however far)."""
-        key = (self.rounds, self._changed_at, len(self.samples))
-        if key != self._curve_key:
-            since = [sample for sample in self.samples if sample[2] >= self._changed_at]
-            if len({t for t, *_ in since}) >= OWN_FIT_WIDTHS:
-                curve = self.curve_through(since)
-            else:
-                curve = self.curve_through(self.samples)
-                predicted = sum(curve[t] for t, *_ in since) if curve and since else 0.0
-                if predicted > 0:
-                    scale = sum(v for _, v, *_ in since) / predicted
-                    curve = [c * scale for c in curve]
-            self._curve_key, self._curve = key, curve
-        return self._curve
-
-    def curve_through(self, samples) -> list[float] | None:
-        """``cost_curve`` through (width, seconds, round, previous width) samples, each weighted
-        by ``0.5 ** (age / STALE_HALF_LIFE)``, residuals shrunk by ``RESIDUAL_PRIOR`` rounds."""
-        weighted = [(t, self.cost_terms(t, p), v, 0.5 ** ((self.rounds - r) / STALE_HALF_LIFE)) for t, v, r, p in samples]
-        return cost_curve(weighted, [self.cost_terms(t) for t in range(self.k_max + 2)], RESIDUAL_PRIOR)
 
     def round_s(self, k: int) -> float | None:
         verify = self.verify_s(k + 1)
@@ -351,7 +297,7 @@ class RooflineGovernor(Governor):
             self.verify_count[width] = self.verify_count.get(width, 0) + 1
             self.verify_round[width] = self.rounds
             if width > 1:
-                self.samples.append((width, sample, self.rounds, after_draft + 1))
+                self.cost.add(width, sample, self.rounds, after_draft + 1)
         if "host_s" in timings:
             self.host.update(max(0.0, timings["host_s"]))
         if self.history and "round_s" in timings:
