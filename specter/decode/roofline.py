@@ -12,13 +12,12 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   ``draft_steps`` say it does not, 0 for k = 0); ``V(T)`` is the flush + verification time of
   a width-T pass, transfer waits included, so the link, the cache and streaming are in it as
   they are on this machine. Drafted widths follow ``VerifyCost`` (``specter.decode.roofline_cost``):
-  one non-negative fit, through the recent drafted rounds, of the experts read, the tokens, the
-  experts streamed past the cache's slots, and the experts read beyond or short of the previous
-  round's width (a round's time depends on it), taken at a width's steady cost; rounds since
-  conditions last changed (``CHANGE_FACTOR``) count alone once they span three widths (until
-  then they scale the fit through the rounds before); the curve
-  is non-decreasing in T. A plain round (T = 1) keeps its own moving average (moved further by a sample more than
-  ``CHANGE_FACTOR`` off or after a long gap). The governor's first round is not measured (the
+  one non-negative fit, through the recent drafted rounds, of the experts read, the tokens and
+  the experts streamed past the cache's slots (a round's time depends on the width before it,
+  so one width's average reads wrong); rounds since conditions last changed (``CHANGE_FACTOR``)
+  count alone once they span three widths (until then they scale the fit through the rounds
+  before); the curve is non-decreasing in T. A plain round (T = 1) keeps its own moving average
+  (moved further by a sample more than ``CHANGE_FACTOR`` off or after a long gap). The governor's first round is not measured (the
   cache holds what the prefill left). With no drafted round yet, widths scale from T = 1 by
   distinct experts; with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target
   steps, a target step being estimated as ``t_draft / draft_ratio``.
@@ -78,7 +77,8 @@ from specter.decode.roofline_fit import Ema, distinct_experts
 log = logging.getLogger("specter.governor")
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
 TIME_SURPRISE = 0.35  # a round this far (relative) from its predicted time makes the governor look around
-FAR_PROBE_RANGE = 0.6  # far probes only try a k predicted within this fraction of the best rate
+FAR_PROBE_RANGE = 0.8  # far probes only try a k predicted within this fraction of the best rate
+OFF_PROBE_RANGE = 0.6  # ... while speculation is off (a draft that got good again must be tried)
 CHANGE_FACTOR = 2.0  # a time off by this factor (either way) means conditions changed, not noise
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
 SPREAD_MULT = 3.0  # a round no further off than this many times the typical miss is noise
@@ -247,7 +247,7 @@ class RooflineGovernor(Governor):
             rates = [row["predicted_tokens_per_s"] for row in self.table()]
             best = max((r for r in rates if r is not None), default=None)
             others = [c for c in range(self.frontier() + 1) if c != k
-                      and (best is None or rates[c] is None or rates[c] >= FAR_PROBE_RANGE * best)]
+                      and (best is None or rates[c] is None or rates[c] >= (FAR_PROBE_RANGE if k else OFF_PROBE_RANGE) * best)]
             # the plain round's own average cannot follow the fit through the drafted widths: refreshed first once stale
             plain_stale = self.rounds - self.verify_round.get(1, -math.inf) > STALE_HALF_LIFE
             return min(others, key=lambda c: (not (c == 0 and plain_stale), self.verify_round.get(c + 1, -math.inf),
@@ -297,7 +297,7 @@ class RooflineGovernor(Governor):
             self.verify_count[width] = self.verify_count.get(width, 0) + 1
             self.verify_round[width] = self.rounds
             if width > 1:
-                self.cost.add(width, sample, self.rounds, after_draft + 1)
+                self.cost.add(width, sample, self.rounds)
         if "host_s" in timings:
             self.host.update(max(0.0, timings["host_s"]))
         if self.history and "round_s" in timings:

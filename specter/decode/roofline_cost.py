@@ -1,26 +1,26 @@
 """The roofline governor's verification cost model (``specter.decode.roofline``): what a width-T
 pass of drafted tokens costs on this machine, learned from the rounds it has seen.
 
-Contract: ``add(width, seconds, round, previous)`` records a drafted round's flush + verify
-seconds (``previous``: the width of the round before it); ``curve(now, changed_at)`` gives the
-predicted steady seconds by width (index T, 2..k_max + 1; None before any round). The cost is
-one fit through the last ``MAX_SAMPLES`` rounds: ``a + b * distinct(T) + c * T + d * max(0,
-distinct(T) - cache_slots_per_layer) + e * up - f * down``, coefficients ``>= 0``
+Contract: ``add(width, seconds, round)`` records a drafted round's flush + verify seconds;
+``curve(now, changed_at)`` gives the predicted seconds by width (index T, 2..k_max + 1; None
+before any round). The cost is one fit through the last ``MAX_SAMPLES`` rounds: ``a + b *
+distinct(T) + c * T + d * max(0, distinct(T) - cache_slots_per_layer)``, coefficients ``>= 0``
 (``fit_nonnegative``; ``distinct_experts``: T tokens of top-k routing over E experts): the
 experts read, the tokens computed, the experts a layer reads beyond the cache's slots (they
-stream), and how many more (``up``) or fewer (``down``) distinct experts the round reads than
-the previous round's width would (``terms``); a width's steady cost, the roofline's, has ``up =
-down = 0``. A round weighs ``0.5 ** (age / STALE_HALF_LIFE)``. Rounds from ``changed_at`` on
-(conditions changed) are fitted alone once they span ``OWN_FIT_WIDTHS`` widths; before that, the
-fit through the rounds before them is scaled to them (a line through one or two widths would put every
-other width on it, however far). Each measured width adds its mean residual shrunk by
-``RESIDUAL_PRIOR`` rounds (a cost the terms cannot follow shows once a width has run a while),
-and the curve is non-decreasing in T (``cost_curve``).
+stream). A round weighs ``0.5 ** (age / STALE_HALF_LIFE)``. Rounds from ``changed_at`` on
+(conditions changed) are fitted alone once they span ``OWN_FIT_WIDTHS`` widths; before that,
+the fit through the rounds before them is scaled to them (a line through one or two widths
+would put every other width on it, however far). Each measured width adds its mean residual
+shrunk by ``RESIDUAL_PRIOR`` rounds (a cost the terms cannot follow shows once a width has run a
+while), and the curve is non-decreasing in T (``cost_curve``).
 
 Why one fit and not an average per width: a round's time depends on the width before it
 (widened model, 50% of the experts, emulated 2 GB/s: k = 4 verified in 86 ms right after a
-narrower round, 45-59 ms after another k = 4), so a width probed once from another reads wrong,
-and probes downwards read cheap (design notes, stops 28 and 29).
+narrower round, 45-59 ms after another k = 4), so a width probed once from another reads wrong;
+one fit through every width averages those errors over all of them (design notes, stop 29).
+Terms for the experts a round reads beyond (or short of) the previous round's width were tried
+and dropped: the widths past the cache are measured mostly right after narrower rounds, so that
+term took the cost of streaming, and the governor held k = 15 at 50% on 2 GB/s.
 """
 
 from __future__ import annotations
@@ -39,25 +39,23 @@ class VerifyCost:
     def __init__(self, n_experts: int, top_k: int, k_max: int, cache_slots_per_layer: float | None) -> None:
         self.n_experts, self.top_k, self.k_max = n_experts, top_k, k_max
         self.cache_slots_per_layer = cache_slots_per_layer
-        self.samples: deque[tuple[int, float, int, int]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round, previous)
+        self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round)
         self._key: tuple | None = None
         self._curve: list[float] | None = None
 
-    def add(self, width: int, seconds: float, round_index: int, previous: int) -> None:
-        self.samples.append((width, seconds, round_index, previous))
+    def add(self, width: int, seconds: float, round_index: int) -> None:
+        self.samples.append((width, seconds, round_index))
 
-    def terms(self, width: int, previous: int | None = None) -> list[float]:
-        """The terms a width-T round's verify cost is a non-negative sum of (``previous`` None:
-        the width's steady cost, up = down = 0)."""
+    def terms(self, width: int) -> list[float]:
+        """The terms a width-T round's verify cost is a non-negative sum of."""
         experts = distinct_experts(width, self.n_experts, self.top_k)
         terms = [1.0, experts, float(width)]
         if self.cache_slots_per_layer is not None:
             terms.append(max(0.0, experts - self.cache_slots_per_layer))
-        before = experts if previous is None else distinct_experts(previous, self.n_experts, self.top_k)
-        return terms + [max(0.0, experts - before), min(0.0, experts - before)]
+        return terms
 
     def curve(self, now: int, changed_at: int) -> list[float] | None:
-        """Predicted steady verify seconds by width at round ``now``, conditions having last
+        """Predicted verify seconds by width at round ``now``, conditions having last
         changed at round ``changed_at`` (see the module's contract)."""
         key = (now, changed_at, len(self.samples), self.samples[-1] if self.samples else None)
         if key != self._key:
@@ -75,5 +73,5 @@ class VerifyCost:
         return self._curve
 
     def _through(self, samples, now: int) -> list[float] | None:
-        weighted = [(t, self.terms(t, p), v, 0.5 ** ((now - r) / STALE_HALF_LIFE)) for t, v, r, p in samples]
+        weighted = [(t, self.terms(t), v, 0.5 ** ((now - r) / STALE_HALF_LIFE)) for t, v, r in samples]
         return cost_curve(weighted, [self.terms(t) for t in range(self.k_max + 2)], RESIDUAL_PRIOR)
