@@ -19,8 +19,9 @@ Why one fit and not an average per width: a round's time depends on the width be
 narrower round, 45-59 ms after another k = 4), so a width probed once from another reads wrong;
 one fit through every width averages those errors over all of them (design notes, stop 29).
 Terms for the experts a round reads beyond (or short of) the previous round's width were tried
-and dropped: the widths past the cache are measured mostly right after narrower rounds, so that
-term took the cost of streaming, and the governor held k = 15 at 50% on 2 GB/s.
+and dropped: in a bench run the governor then held k = 15 at 50% on 2 GB/s (0.82x the best fixed
+k), likely because the widths past the cache are measured mostly right after narrower rounds,
+so that term can take the cost of streaming.
 """
 
 from __future__ import annotations
