@@ -74,5 +74,5 @@ class VerifyCost:
         return self._curve
 
     def _through(self, samples, now: int) -> list[float] | None:
-        weighted = [(t, self.terms(t), v, 0.5 ** ((now - r) / STALE_HALF_LIFE)) for t, v, r in samples]
+        weighted = [(t, v, 0.5 ** ((now - r) / STALE_HALF_LIFE)) for t, v, r in samples]
         return cost_curve(weighted, [self.terms(t) for t in range(self.k_max + 2)], RESIDUAL_PRIOR)

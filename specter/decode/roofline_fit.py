@@ -68,28 +68,23 @@ def _solve(matrix: list[list[float]], right: list[float]) -> list[float] | None:
     return [rows[i][n] / rows[i][i] for i in range(n)]
 
 
-def cost_curve(samples: list[tuple[int, Sequence[float], float, float]], steady: list[list[float]],
-               prior: float) -> list[float] | None:
+def cost_curve(samples: list[tuple[int, float, float]], terms: list[list[float]], prior: float) -> list[float] | None:
     """Seconds by width T (index T; entries 0 and 1 are 0: drafted widths start at 2) through
-    (width, terms, seconds, weight) samples: the terms' coefficients fitted
-    (``fit_nonnegative``), the curve at ``steady[T]``'s terms; each measured width adds its mean
-    residual shrunk by ``prior`` samples (``interpolate``d between measured widths, the nearest
-    one's beyond), so a cost the terms cannot follow shows once a width is measured often; the
-    curve is then made non-decreasing (``monotone``). None without samples."""
-    rows: dict[tuple[float, ...], list[float]] = {}  # terms -> [weight, weighted seconds]: one row each
-    for _, terms, v, w in samples:
-        total = rows.setdefault(tuple(terms), [0.0, 0.0])
-        total[0], total[1] = total[0] + w, total[1] + w * v
-    if not rows:
-        return None
-    fit = fit_nonnegative([(terms, v / w, w) for terms, (w, v) in rows.items()])
-    cost = lambda terms: sum(c * x for c, x in zip(fit, terms))  # noqa: E731
-    sums: dict[int, list[float]] = {}  # width -> [weight, weighted residual]
-    for t, terms, v, w in samples:
+    (width, seconds, weight) samples: the coefficients of ``terms[T]`` fitted
+    (``fit_nonnegative``); each measured width adds its mean residual shrunk by ``prior``
+    samples (``interpolate``d between measured widths, the nearest one's beyond), so a cost the
+    terms cannot follow shows once a width is measured often; the curve is then made
+    non-decreasing (``monotone``). None without samples."""
+    sums: dict[int, list[float]] = {}  # width -> [weight, weighted seconds]: samples of one width share their terms
+    for t, v, w in samples:
         total = sums.setdefault(t, [0.0, 0.0])
-        total[0], total[1] = total[0] + w, total[1] + w * (v - cost(terms))
-    residual = {t: r / (w + prior) for t, (w, r) in sorted(sums.items())}
-    return [0.0, 0.0] + monotone([max(0.0, cost(steady[t]) + interpolate(residual, t)) for t in range(2, len(steady))])
+        total[0], total[1] = total[0] + w, total[1] + w * v
+    if not sums:
+        return None
+    fit = fit_nonnegative([(terms[t], v / w, w) for t, (w, v) in sums.items()])
+    cost = [sum(c * x for c, x in zip(fit, row)) for row in terms]
+    residual = {t: (v - w * cost[t]) / (w + prior) for t, (w, v) in sorted(sums.items())}
+    return [0.0, 0.0] + monotone([max(0.0, cost[t] + interpolate(residual, t)) for t in range(2, len(terms))])
 
 
 def interpolate(points: dict[int, float], x: int) -> float:

@@ -60,19 +60,12 @@ def test_fit_coefficients_are_never_negative_and_fit_no_worse_than_a_constant():
 def test_cost_curve_follows_the_fit_and_a_width_measured_often_where_the_terms_cannot():
     terms = [[1.0, u(t), float(t)] for t in range(10)]
     line = lambda t: 1.0 + 0.5 * t  # noqa: E731
-    samples = [(t, terms[t], line(t), 1.0) for t in (2, 3, 5, 9)]
+    samples = [(t, line(t), 1.0) for t in (2, 3, 5, 9)]
     assert cost_curve(samples, terms, prior=4.0)[2:] == pytest.approx([line(t) for t in range(2, 10)])
-    jumped = samples + [(7, terms[7], line(7) + 2.0, 1.0)] * 36  # width 7 costs 2 more than any line through the rest
+    jumped = samples + [(7, line(7) + 2.0, 1.0)] * 36  # width 7 costs 2 more than any line through the rest
     curve = cost_curve(jumped, terms, prior=4.0)
     assert curve[7] == pytest.approx(line(7) + 2.0, abs=0.25) and curve == sorted(curve)
     assert cost_curve([], terms, prior=4.0) is None
-
-
-def test_cost_curve_is_the_steady_cost_where_samples_carry_a_term_the_steady_rounds_lack():
-    steady = [[1.0, float(t), 0.0] for t in range(10)]  # the third term: 0 in a steady round
-    cost = lambda t, extra: 2.0 + t + 3.0 * extra  # noqa: E731
-    samples = [(t, [1.0, float(t), extra], cost(t, extra), 1.0) for t in (2, 4, 6) for extra in (0.0, 1.0, 2.0)]
-    assert cost_curve(samples, steady, prior=1.0)[2:] == pytest.approx([2.0 + t for t in range(2, 10)])
 
 
 def test_interpolate_is_piecewise_linear_and_flat_beyond_its_points():
