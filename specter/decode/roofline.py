@@ -17,10 +17,11 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   so one width's average reads wrong); rounds since conditions last changed (``CHANGE_FACTOR``)
   count alone once they span three widths (until then they scale the fit through the rounds
   before); the curve is non-decreasing in T. A plain round (T = 1) keeps its own moving average
-  (moved further by a sample more than ``CHANGE_FACTOR`` off or after a long gap). The governor's first round is not measured (the
-  cache holds what the prefill left). With no drafted round yet, widths scale from T = 1 by
-  distinct experts; with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target
-  steps, a target step being estimated as ``t_draft / draft_ratio``.
+  (moved further by a sample more than ``CHANGE_FACTOR`` off or after a long gap). The
+  governor's first round is not measured (the cache holds what the prefill left). With no
+  drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at all,
+  ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being estimated as
+  ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
   and within ``frontier()``: at most ``FRONTIER_STEP`` beyond the widest k measured, so wider
@@ -117,8 +118,7 @@ class RooflineGovernor(Governor):
         self.extra_steps = 1  # draft steps per round beyond k (the engine's routing-only step)
         self.host = Ema(ema)
         self.spread = Ema(ema)  # typical |log(measured / predicted)| of a round: the noise here
-        self.verify: dict[int, Ema] = {}  # width T -> flush + verify seconds
-        self.verify_count: dict[int, int] = {}
+        self.plain = Ema(ema)  # flush + verify seconds of a plain round (T = 1)
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
         self.cost = VerifyCost(n_experts, top_k, k_max, cache_slots_per_layer)  # drafted widths' verify seconds
         self._changed_at = -1  # the round whose time showed that conditions changed
@@ -144,17 +144,16 @@ class RooflineGovernor(Governor):
     def verify_s(self, width: int) -> float | None:
         """Predicted flush + verify seconds of a width-T pass. A plain round (T = 1, nothing
         drafted, so no transfer hidden behind a draft) is its own moving average; drafted widths
-        follow ``self.cost`` (``VerifyCost``). Before any drafted round, widths scale from T = 1 by distinct
-        experts, and with no measurement at all from the draft step (``draft_ratio``)."""
+        follow ``self.cost`` (``VerifyCost``). Before any drafted round, widths scale from T = 1 by
+        distinct experts, and with no measurement at all from the draft step (``draft_ratio``)."""
         u = distinct_experts(width, self.n_experts, self.top_k) / distinct_experts(1, self.n_experts, self.top_k)
-        plain = self.verify.get(1)
-        if width == 1 and plain is not None and plain.value is not None:
-            return plain.value
+        if width == 1 and self.plain.value is not None:
+            return self.plain.value
         curve = self.cost.curve(self.rounds, self._changed_at)
         if curve is not None:
             return curve[min(width, len(curve) - 1)]
-        if plain is not None and plain.value is not None:
-            return plain.value * u
+        if self.plain.value is not None:
+            return self.plain.value * u
         if self.draft_step.value is None:
             return None
         return self.draft_step.value / self.draft_ratio * u
@@ -182,7 +181,7 @@ class RooflineGovernor(Governor):
         capacity = self.cache_slots_per_layer
         if capacity is not None and distinct_experts(FRONTIER_STEP + 1, self.n_experts, self.top_k) > capacity:
             return self.k_max
-        measured = [t for t, e in self.verify.items() if e.value is not None and t > 1]
+        measured = [t for t in self.verify_round if t > 1]
         return min(self.k_max, max(max(measured, default=0) - 1, self.k0) + FRONTIER_STEP)
 
     def best_k(self) -> int | None:
@@ -285,19 +284,18 @@ class RooflineGovernor(Governor):
         warm_plain = drafted == 0 and after_draft and self.verify_round.get(1, -1) >= max(self._changed_at, 0)
         first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
         if "verify_s" in timings and not warm_plain and not trial and not first:
-            width = drafted + 1
-            age = self.rounds - self.verify_round.get(width, self.rounds)
-            step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
-            average, sample = self.verify.setdefault(width, Ema(self.weight)), timings["verify_s"] + timings.get("flush_s", 0.0)
-            if average.value and changed(sample, average.value):
-                step = max(step, 0.5)  # conditions changed (a rarely measured width must not lag far behind)
-            if self.verify_round.get(width, self._changed_at) < self._changed_at:
-                step = 1.0  # its first sample since conditions changed: the old average is of other conditions
-            average.update(sample, step)
-            self.verify_count[width] = self.verify_count.get(width, 0) + 1
-            self.verify_round[width] = self.rounds
+            width, sample = drafted + 1, timings["verify_s"] + timings.get("flush_s", 0.0)
             if width > 1:
                 self.cost.add(width, sample, self.rounds)
+            else:
+                age = self.rounds - self.verify_round.get(1, self.rounds)
+                step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
+                if self.plain.value and changed(sample, self.plain.value):
+                    step = max(step, 0.5)  # conditions changed (a rarely measured plain round must not lag far behind)
+                if self.verify_round.get(1, self._changed_at) < self._changed_at:
+                    step = 1.0  # its first sample since conditions changed: the old average is of other conditions
+                self.plain.update(sample, step)
+            self.verify_round[width] = self.rounds
         if "host_s" in timings:
             self.host.update(max(0.0, timings["host_s"]))
         if self.history and "round_s" in timings:

@@ -31,7 +31,7 @@ from collections import deque
 from specter.decode.roofline_fit import cost_curve, distinct_experts
 
 MAX_SAMPLES = 96  # the drafted rounds the verify cost is fitted through (the most recent)
-OWN_FIT_WIDTHS = 3  # after a change of conditions, the rounds since are fitted alone once they span this many widths
+OWN_FIT_WIDTHS = 3  # after a change of conditions, the rounds since are fitted alone from this many widths on
 RESIDUAL_PRIOR = 1.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
 
@@ -41,6 +41,7 @@ class VerifyCost:
         self.n_experts, self.top_k, self.k_max = n_experts, top_k, k_max
         self.cache_slots_per_layer = cache_slots_per_layer
         self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round)
+        self._terms = [self.terms(t) for t in range(k_max + 2)]  # by width: fixed for this cache and model
         self._key: tuple | None = None
         self._curve: list[float] | None = None
 
@@ -75,4 +76,4 @@ class VerifyCost:
 
     def _through(self, samples, now: int) -> list[float] | None:
         weighted = [(t, v, 0.5 ** ((now - r) / STALE_HALF_LIFE)) for t, v, r in samples]
-        return cost_curve(weighted, [self.terms(t) for t in range(self.k_max + 2)], RESIDUAL_PRIOR)
+        return cost_curve(weighted, self._terms, RESIDUAL_PRIOR)

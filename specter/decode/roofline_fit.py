@@ -6,8 +6,8 @@ follows); ``fit_nonnegative(rows)``, weighted least squares with non-negative co
 verification's cost as fixed + per distinct expert read + per token + per expert streamed);
 ``cost_curve``, that fit through a governor's samples with each width's shrunk residual, made
 non-decreasing (``interpolate``: piecewise linear; ``monotone``: isotonic regression); ``Ema``, a
-moving average whose ``update`` may be given a larger weight for one sample. Pure Python, no state beyond
-``Ema``'s value.
+moving average whose ``update`` may be given a larger weight for one sample. Pure Python, no
+state beyond ``Ema``'s value.
 """
 
 from __future__ import annotations
