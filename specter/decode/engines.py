@@ -26,7 +26,8 @@ def ondemand(parts):
 def router_lookahead(parts):
     from specter.decode.speculative import RouterLookaheadEngine
 
-    return RouterLookaheadEngine(*parts.offloaded, predictor=parts.predictor("router-lookahead"))
+    return RouterLookaheadEngine(*parts.offloaded, predictor=parts.predictor("router-lookahead"),
+                                 prefetch_mode=parts.recipe.offload.prefetch)
 
 
 def specter_engine(parts):
@@ -36,7 +37,8 @@ def specter_engine(parts):
     spec = recipe.speculation
     draft = build_draft(layers, store, parts.device, spec.draft.group_size)
     return SpecterEngine(*parts.offloaded, predictor=parts.predictor(), governor=parts.governor(), draft=draft,
-                         plain_predictor=parts.predictor("router-lookahead"))
+                         plain_predictor=parts.predictor("router-lookahead"),
+                         prefetch_mode=recipe.offload.prefetch)
 
 
 def hf_offload(parts):

@@ -60,9 +60,10 @@ def build_draft(layers, store, device: torch.device, group_size: int) -> dict[in
 class PrefetchingEngine(OffloadedEngine):
     """An offloaded engine with a predictor feeding a prefetch scheduler."""
 
-    def __init__(self, *args, predictor, max_in_flight: int = 2, **kwargs) -> None:
+    def __init__(self, *args, predictor, max_in_flight: int = 2, prefetch_mode: str = "aggressive",
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.scheduler = PrefetchScheduler(self.cache, max_in_flight=max_in_flight)
+        self.scheduler = PrefetchScheduler(self.cache, max_in_flight=max_in_flight, mode=prefetch_mode)
         self.predictor = predictor
         self.predictor.bind(self.scheduler, self.runtime.layers)
         self.runtime.observers.append(self._advance)

@@ -22,6 +22,15 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
 5. Two tiers: every prediction not in the cache is also handed to the link's ``stage`` the moment
    it arrives, so a host tier below the device (``specter.memory.host_tier``) starts reading it
    from the disk before a device slot is free for it.
+6. ``mode`` (``offload.prefetch``): ``aggressive`` as above; ``conservative`` trades earliness for
+   fewer copies where the link, not compute, sets the pace: every prediction still ahead is
+   protected (not only the window), so a prefetch never evicts a key this round is predicted to
+   need, which would have to stream back; only keys of the first layer still ahead (those
+   verification needs next, which would otherwise load on demand and evict such a key anyway)
+   may evict predictions beyond the window. ``auto`` starts aggressive and is conservative while
+   the rounds wait on transfers (a moving average of the share of ``begin_round`` ..
+   ``end_round`` spent in the cache's transfer waits) above ``AUTO_ENTER_WAIT``, until it falls
+   below ``AUTO_LEAVE_WAIT``.
 ``end_round(used)`` compares what was predicted with what the target used, counts the
 predictions not in the cache when their layer was reached (``not_admitted``), then lifts the
 protection. The cache policy also receives the round's predictions still ahead (the window's
@@ -57,10 +66,24 @@ class SchedulerStats:
         return self.predicted_and_used / self.predicted if self.predicted else None
 
 
+PREFETCH_MODES = ("aggressive", "conservative", "auto")
+AUTO_ENTER_WAIT = 0.25  # link-bound: every bench-governor row on a 2 GB/s link waited 0.35-0.68
+AUTO_LEAVE_WAIT = 0.12  # compute-bound: on 20 GB/s 0.004-0.13
+AUTO_WAIT_DECAY = 0.7  # weight of the past in the moving average of the wait share
+
+
 class PrefetchScheduler:
-    def __init__(self, cache, max_in_flight: int = 2) -> None:
+    def __init__(self, cache, max_in_flight: int = 2, mode: str = "aggressive") -> None:
+        if mode not in PREFETCH_MODES:
+            raise ValueError(f"prefetch mode {mode!r} is not one of {', '.join(PREFETCH_MODES)}")
         self.cache = cache
         self.max_in_flight = max_in_flight
+        self.mode = mode
+        self.conservative = mode == "conservative"
+        self.wait_share: float | None = None  # moving average over rounds (mode auto)
+        self._round_started = 0.0
+        self._wait_before = 0.0
+        self._beyond_window: list[ExpertKey] = []  # protected only because conservative
         self.stats = SchedulerStats()
         self._predicted: dict[ExpertKey, float] = {}
         self._ahead: list[ExpertKey] = []  # predictions not yet verified, in need order
@@ -77,6 +100,8 @@ class PrefetchScheduler:
         self._ahead_version += 1
         self._active = True
         self._frontier = -1
+        self._round_started = time.perf_counter()
+        self._wait_before = self.cache.stats.transfer_wait_s
 
     def add(self, layer: int, experts: Sequence[int], confidences: Sequence[float]) -> None:
         self.add_many([(layer, experts, confidences)])
@@ -125,6 +150,9 @@ class PrefetchScheduler:
         self._window = self._ahead[: self.cache.capacity]
         self.cache.unprotect_all()
         self.cache.protect(self._window)
+        if self.conservative:
+            self._beyond_window = self._ahead[self.cache.capacity:]
+            self.cache.protect(self._beyond_window)
 
     def _missing(self) -> list[ExpertKey]:
         """Window keys of layers after the current one that are not in the cache, in need order."""
@@ -140,10 +168,22 @@ class PrefetchScheduler:
             if reserve and self.cache.spare_slots() <= reserve:
                 break
             started = time.perf_counter()
-            placed = self.cache.prefetch(key[0], key[1], self._predicted[key])
+            placed = self._prefetch(key)
             self.issue_s += time.perf_counter() - started
             issued += placed
         return issued
+
+    def _prefetch(self, key: ExpertKey) -> bool:
+        """Start ``key``'s copy; a conservative scheduler lets a key of the first layer ahead evict
+        predictions beyond the window (it would load on demand otherwise)."""
+        relax = self.conservative and self._beyond_window and key[0] == self._ahead[0][0]
+        if relax:
+            self.cache.unprotect(self._beyond_window)
+        try:
+            return self.cache.prefetch(key[0], key[1], self._predicted[key])
+        finally:
+            if relax:
+                self.cache.protect(self._beyond_window)
 
     def _send_hints(self) -> None:
         """The predictions ahead, in need order, to the cache policy (once per change of them)."""
@@ -195,7 +235,23 @@ class PrefetchScheduler:
         self.stats.used += len(used)
         self.stats.predicted_and_used += len(predicted & used)
         self.cache.unprotect_all()
+        self._beyond_window = []
+        if self.mode == "auto":
+            self._observe_wait(self.cache.stats.transfer_wait_s - self._wait_before,
+                               time.perf_counter() - self._round_started)
         self._predicted.clear()
         self._ahead, self._window = [], []
         self._ahead_version += 1
         self._active = False
+
+    def _observe_wait(self, wait_s: float, round_s: float) -> None:
+        """Mode auto: fold one round's transfer-wait share into the average and pick the mode."""
+        if round_s <= 0:
+            return
+        share = min(1.0, max(0.0, wait_s / round_s))
+        self.wait_share = share if self.wait_share is None else (
+            AUTO_WAIT_DECAY * self.wait_share + (1 - AUTO_WAIT_DECAY) * share)
+        if self.wait_share > AUTO_ENTER_WAIT:
+            self.conservative = True
+        elif self.wait_share < AUTO_LEAVE_WAIT:
+            self.conservative = False

@@ -293,6 +293,7 @@ def test_overrides_replace_values_of_a_file_recipe(tmp_path):
         ("threads.x=1", "threads: takes a single value, not sub-keys"),
         ("threads=[1", "threads: cannot parse override value"),
         ("offload.expert_budget=-1", "offload.expert_budget: a number is a fraction"),
+        ("offload.prefetch=eager", "offload.prefetch: "),
     ],
 )
 def test_bad_overrides_name_the_key(override, start):
@@ -373,7 +374,7 @@ def test_schema_keeps_the_published_key_names():
     published = """model engine device dtype threads seed prompt prompts prompts_file max_prompts max_new_tokens
         sampling.temperature sampling.top_p sampling.top_k offload.expert_budget offload.link.kind
         offload.link.gbps offload.link.latency_us offload.link.options offload.cache_policy.name
-        offload.cache_policy.options offload.pin_memory offload.experts_on offload.host_budget offload.direct_io
+        offload.cache_policy.options offload.prefetch offload.pin_memory offload.experts_on offload.host_budget offload.direct_io
         offload.transfer_timeout_s offload.verify_copies
         speculation.draft.group_size speculation.predictor.name
         speculation.predictor.options speculation.governor.name speculation.governor.k

@@ -68,6 +68,19 @@ def test_specter_greedy_equals_resident(arch, k, budget, checkpoints, resident):
     assert all(len(ids) == MAX_NEW for ids in result.token_ids)  # the zoo models never emit EOS (2) here
 
 
+@pytest.mark.parametrize("engine", ("specter", "router-lookahead"))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_conservative_prefetch_keeps_the_tokens(arch, engine, checkpoints, resident):
+    runner = specter.load(recipe(checkpoints[arch], engine, budget=0.25, k=4,
+                                 offload={"link": {"kind": "local"}, "expert_budget": 0.25,
+                                          "prefetch": "conservative", "cache_policy": {"name": "lookahead"}}))
+    try:
+        assert runner.scheduler.conservative
+        assert runner.generate(PROMPTS).token_ids == resident[arch]
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_router_lookahead_equals_resident(arch, checkpoints, resident):
     result = generate(checkpoints[arch], "router-lookahead", budget=0.25)
