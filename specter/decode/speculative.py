@@ -132,6 +132,8 @@ class PrefetchingEngine(OffloadedEngine):
             "issued_while_drafting": stats.issued_while_drafting, "issued_at_flush": stats.issued_at_flush,
             "streamed": stats.streamed, "not_admitted": stats.not_admitted,
             "disabled": self.prediction_failure,
+            "prefetch_mode": self.scheduler.mode, "conservative_now": self.scheduler.conservative,
+            "transfer_wait_share": self.scheduler.wait_share,
         }
         return report
 

@@ -76,9 +76,28 @@ def test_conservative_prefetch_keeps_the_tokens(arch, engine, checkpoints, resid
                                           "prefetch": "conservative", "cache_policy": {"name": "lookahead"}}))
     try:
         assert runner.scheduler.conservative
-        assert runner.generate(PROMPTS).token_ids == resident[arch]
+        result = runner.generate(PROMPTS)
+        assert result.token_ids == resident[arch]
+        assert result.report["prediction"]["prefetch_mode"] == "conservative"
+        assert result.report["prediction"]["conservative_now"] is True
     finally:
         runner.close()
+
+
+def test_auto_prefetch_turns_conservative_on_a_link_that_keeps_rounds_waiting(checkpoints, resident):
+    """The default ``offload.prefetch: auto`` on an emulated link whose every copy costs 3 ms: the
+    rounds wait on copies most of their time, so the scheduler is conservative by the end."""
+    link = {"kind": "emulated", "gbps": 1.0, "latency_us": 3000}
+    runner = specter.load(recipe(checkpoints["mixtral"], "specter", k=4,
+                                 offload={"link": link, "expert_budget": 0.25}))
+    try:
+        result = runner.generate(PROMPTS)
+    finally:
+        runner.close()
+    assert result.token_ids == resident["mixtral"]
+    prediction = result.report["prediction"]
+    assert prediction["prefetch_mode"] == "auto"
+    assert prediction["transfer_wait_share"] > 0.25 and prediction["conservative_now"] is True
 
 
 @pytest.mark.parametrize("arch", ARCHS)
