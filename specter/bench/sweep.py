@@ -224,7 +224,7 @@ class Sweep:
                 "compile_stats": last.get("compile"), "offload": last.get("offload"),
                 "phases": last.get("phases"), "decode_step_s": last.get("decode_step_s"),
                 "governor_summary": last.get("governor") if meta["engine"] == "specter" else None,
-                "link_stats": last.get("link"),
+                "link_stats": last.get("link"), "prefetch": _prefetch_state(last.get("prediction")),
             })
         return out
 
@@ -287,3 +287,11 @@ def run_bench(spec: BenchSpec, command: str = "", progress: bool | None = None) 
     sweep = Sweep(spec, progress)
     sweep.run()
     return sweep.document(command, time.perf_counter() - started)
+
+
+def _prefetch_state(prediction: dict | None) -> dict | None:
+    """A prefetching row's ``offload.prefetch`` mode and where its last run ended (mode auto)."""
+    if not isinstance(prediction, dict) or prediction.get("prefetch_mode") is None:
+        return None
+    return {"mode": prediction["prefetch_mode"], "conservative": prediction.get("conservative_now"),
+            "transfer_wait_share": prediction.get("transfer_wait_share")}

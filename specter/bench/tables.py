@@ -13,7 +13,8 @@ Then, when there is something to show: "Where the time goes (specter rows)", one
 specter row with ``phases`` (draft step against resident's target step of the same compile mode,
 a step with no transfer in it, else the cell's ondemand step; verification's compute per expert
 read against that step per expert read, i.e. ``decode_step_s / (top_k * n_moe_layers)``; each
-phase's share of the round),
+phase's share of the round; the prefetch mode its last run ended in, ``(auto)`` when
+``offload.prefetch: auto`` chose it),
 and "Governor", one row per row whose ``governor_summary`` names a governor other than ``fixed``,
 followed by the roofline table of the first such row of each (budget, link, compile) cell.
 """
@@ -154,7 +155,7 @@ def _order(declared: Iterable, seen: Iterable) -> list:
 PHASE_COLUMNS = (
     "label", "budget", "link", "compile", "rounds", "draft step ms", "draft / target step", "verify ms/round",
     "verify tok/round", "distinct experts/layer", "verify ms/expert read", "single-step ms/expert read",
-    "verify / single-step", "draft share", "verify share", "host share",
+    "verify / single-step", "draft share", "verify share", "host share", "prefetch at the end",
 )
 GOVERNOR_COLUMNS = ("label", "cell", "k histogram", "prediction error", "probes", "rounds cut at prompt end")
 
@@ -214,8 +215,17 @@ def phase_table(bench: dict) -> list[str]:
             _num(phases.get("distinct_experts_per_layer"), 2), _num(_mul(verify_expert, 1e3), 3),
             _num(_mul(per_expert, 1e3), 3), _ratio(_div(verify_expert, per_expert)),
             *(_share(_div(phases.get(key), total)) for key in ("draft_s", "verify_s", "host_s")),
+            _prefetch_cell(row.get("prefetch")),
         ))
     return _rows_table(PHASE_COLUMNS, out) if out else []
+
+
+def _prefetch_cell(prefetch: dict | None) -> str:
+    """``conservative`` / ``aggressive`` as the row's last run ended, ``(auto)`` when it chose."""
+    if not isinstance(prefetch, dict) or prefetch.get("conservative") is None:
+        return "-"
+    state = "conservative" if prefetch["conservative"] else "aggressive"
+    return f"{state} (auto)" if prefetch.get("mode") == "auto" else state
 
 
 def governor_section(bench: dict) -> list[str]:

@@ -49,7 +49,8 @@ def _row(label: str, budget: float | None, link: str | None, compile_: bool, med
         "decode_step_s": None if median is None else (3.5 if specter else 1.0) / median,
     }
     if specter:
-        row.update(phases=dict(PHASES), governor_summary={"name": "fixed"})
+        row.update(phases=dict(PHASES), governor_summary={"name": "fixed"},
+                   prefetch={"mode": "auto", "conservative": link == "slow", "transfer_wait_share": 0.5})
     row.update(extra)
     return row
 

@@ -128,7 +128,8 @@ def test_where_the_time_goes(bench):
     assert row[7:11] == ["50.00", "4.80", "4.50", "2.000"]
     assert row[11] == f"{single_ms:.3f}" == "4.167"
     assert row[12] == "0.48x"
-    assert row[13:] == ["25.0%", "62.5%", "10.0%"]
+    assert row[13:] == ["25.0%", "62.5%", "10.0%", "conservative (auto)"]
+    assert _phase_row(rows, "specter k=4", "25%", "fast")[16] == "aggressive (auto)"
     compiled = _phase_row(rows, "specter roofline", "25%", "fast", "compiled")
     assert compiled[12] == f"{2.0 / (1e3 / 36.0 / 8):.2f}x" == "0.58x"
 
@@ -172,6 +173,7 @@ def test_extra_sections_tolerate_missing_fields(bench):
     specter[0]["phases"] = None
     specter[1]["phases"] = {"rounds": 3}
     specter[2]["phases"] = {"draft_step_s": 0.01, "draft_s": 0.0}
+    specter[1]["prefetch"] = {"mode": "auto"}  # an older report: no state at the end
     roofline = [r for r in rows if r["label"] == "specter roofline"]
     roofline[0]["governor_summary"] = {"name": "roofline"}
     roofline[1]["governor_summary"]["table"] = [{"k": 0}, {}, "junk"]
@@ -183,7 +185,7 @@ def test_extra_sections_tolerate_missing_fields(bench):
     text = markdown(bench)
     phase_rows = _phase_rows(text)
     assert len(phase_rows) == len(specter) - 1
-    assert phase_rows[0][4:] == ["3"] + ["-"] * 11
+    assert phase_rows[0][4:] == ["3"] + ["-"] * 12
     assert all(row[6] == "-" and row[11] == "-" for row in phase_rows)
     governor = _sections(text)["Governor"]
     assert "| specter roofline (roofline) | 25% / fast / eager | - | - | 5 | 2 |" in governor

@@ -7,100 +7,18 @@ control; the link records the order in which copies were submitted.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
 
-from specter.memory.cache import ExpertCache, SlotState
-from specter.memory.link import Link, Tensors, Transfer
-from specter.policies import LookaheadPolicy, LRUPolicy
-from specter.policies.base import ExpertKey, Hint
+from held_link import N_EXPERTS, RecordingLRU, make_cache, submitted_keys, verify_round
+from specter.memory.cache import SlotState
+from specter.policies import LookaheadPolicy
+from specter.policies.base import ExpertKey
 from specter.memory.scheduler import PrefetchScheduler
-from specter.memory.store import ExpertStore
 
 torch.set_num_threads(1)
-
-N_EXPERTS = 6
-
-
-class HeldTransfer(Transfer):
-    def __init__(self, dst: Tensors, src: Tensors) -> None:
-        self.dst, self.src = dst, src
-        self.nbytes = sum(t.numel() * t.element_size() for t in src.values())
-        self.completed = False
-
-    def done(self) -> bool:
-        return self.completed
-
-    def wait(self) -> float:
-        self.complete()
-        return 0.0
-
-    def complete(self) -> None:
-        if not self.completed:
-            for name, tensor in self.src.items():
-                self.dst[name].copy_(tensor)
-            self.completed = True
-
-
-class HeldLink(Link):
-    """Copies complete only through ``complete_all`` / ``complete(i)`` (or a blocking wait)."""
-
-    kind = "held"
-
-    def __init__(self) -> None:
-        self.transfers: list[HeldTransfer] = []
-        self.submitted: list[int] = []  # slots, in submission order
-
-    def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
-        transfer = HeldTransfer(dst, src)
-        self.transfers.append(transfer)
-        self.submitted.append(slot)
-        return transfer
-
-    def complete_all(self) -> None:
-        for transfer in self.transfers:
-            transfer.complete()
-
-
-class RecordingLRU(LRUPolicy):
-    def __init__(self) -> None:
-        super().__init__()
-        self.hints: list[list[Hint]] = []
-
-    def on_hints(self, hints: Sequence[Hint]) -> None:
-        self.hints.append(list(hints))
-
-
-def make_cache(n_slots: int, policy=None, layers: Sequence[int] = (0, 1)) -> tuple[ExpertCache, HeldLink]:
-    gen = torch.Generator().manual_seed(0)
-    store = ExpertStore({
-        layer: {"gate_up_proj": torch.randn(N_EXPERTS, 4, 3, generator=gen),
-                "down_proj": torch.randn(N_EXPERTS, 3, 2, generator=gen)}
-        for layer in layers
-    })
-    link = HeldLink()
-    return ExpertCache(store, n_slots, torch.device("cpu"), link, policy or RecordingLRU()), link
-
-
-def submitted_keys(cache: ExpertCache, link: HeldLink, start: int = 0) -> list[ExpertKey]:
-    """The keys whose copies were submitted (from the ``start``-th on), in order."""
-    return [cache.key_in(slot) for slot in link.submitted[start:]]
-
-
-def verify_round(cache: ExpertCache, link: HeldLink, scheduler: PrefetchScheduler,
-                 experts_by_layer: dict[int, list[int]]) -> None:
-    """What verification does on a link fast enough that every copy lands before the next layer:
-    per MoE layer, ``advance``, then acquire and release the layer's experts."""
-    link.complete_all()
-    for layer, experts in experts_by_layer.items():
-        scheduler.advance(layer)
-        cache.acquire(layer, experts)
-        cache.release(layer, experts)
-        link.complete_all()
 
 
 def test_phase1_cached_predictions_are_protected_counted_and_not_fetched() -> None:
@@ -411,105 +329,3 @@ def test_begin_round_forgets_the_previous_rounds_pending_predictions() -> None:
     scheduler.flush()
     assert submitted_keys(cache, link) == [(0, 0), (1, 0)]
     assert cache.state(cache.slot_of((1, 0))) is SlotState.LOADING
-
-
-def test_conservative_keeps_a_later_layers_cached_prediction_and_copies_less() -> None:
-    """The round of ``test_a_later_layers_cached_expert_yields_its_slot_to_an_earlier_layers_prediction``
-    with ``mode="conservative"``: layer 0's experts (the first layer ahead) take the two slots
-    nothing predicts; layer 1's wait, since the only other slots hold layer 2's predictions, and
-    load on demand once layer 0 is done. Four copies instead of six, two of them demand loads."""
-    copies = {}
-    for conservative in (False, True):
-        cache, link = make_cache(n_slots=4, policy=LookaheadPolicy(), layers=(0, 1, 2))
-        cache.preload([(2, 4), (2, 5), (0, 5), (1, 5)])
-        scheduler = PrefetchScheduler(cache, max_in_flight=8, mode="conservative" if conservative else "aggressive")
-        scheduler.begin_round()
-        scheduler.add(2, [4, 5], [0.9, 0.8])
-        scheduler.add(0, [0, 1], [0.9, 0.8])
-        scheduler.add(1, [2, 3], [0.7, 0.6])
-        scheduler.flush()
-        if conservative:
-            assert submitted_keys(cache, link) == [(0, 0), (0, 1)]
-            assert cache.contains((2, 4)) and cache.contains((2, 5))
-        verify_round(cache, link, scheduler, {0: [0, 1], 1: [2, 3], 2: [4, 5]})
-        scheduler.end_round({(0, 0), (0, 1), (1, 2), (1, 3), (2, 4), (2, 5)})
-        copies[conservative] = (len(link.submitted), cache.stats.misses)
-    assert copies == {False: (6, 0), True: (4, 2)}
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    n_slots=st.integers(2, 8),
-    cached=st.lists(st.tuples(st.integers(0, 3), st.integers(0, N_EXPERTS - 1)), max_size=8),
-    picks=st.lists(st.lists(st.integers(0, N_EXPERTS - 1), min_size=1, max_size=4), min_size=4, max_size=4),
-    order=st.permutations(range(4)),
-)
-def test_conservative_prefetches_evict_a_prediction_only_for_the_first_layer_ahead(n_slots, cached, picks, order):
-    """Property: with ``mode="conservative"``, a prefetch (while drafting, at the flush, or streamed
-    during verification) evicts a key still predicted for the round only when it loads a key of
-    the first layer still ahead; verification still gets every expert it uses."""
-    experts_by_layer = {layer: sorted(set(p)) for layer, p in enumerate(picks)}
-    cache, link = make_cache(n_slots, policy=LookaheadPolicy(), layers=(0, 1, 2, 3))
-    cache.preload(list(dict.fromkeys(cached))[-n_slots:])
-    scheduler = PrefetchScheduler(cache, max_in_flight=2, mode="conservative")
-    prefetch = cache.prefetch
-    violations = []
-
-    def checked_prefetch(layer: int, expert: int, score: float = 0.0) -> bool:
-        ahead = set(scheduler._ahead)  # the predictions verification has not passed yet
-        before = set(cache.resident_keys())
-        placed = prefetch(layer, expert, score)
-        evicted = (before - set(cache.resident_keys())) & ahead
-        if evicted and layer != min(key[0] for key in ahead):
-            violations.append(((layer, expert), evicted))
-        return placed
-
-    cache.prefetch = checked_prefetch
-    scheduler.begin_round()
-    for layer in order:
-        scheduler.add(layer, experts_by_layer[layer], [0.5] * len(experts_by_layer[layer]))
-        scheduler.pump()
-        link.complete_all()
-    scheduler.flush()
-    for layer, experts in experts_by_layer.items():
-        scheduler.advance(layer)
-        if len(experts) <= n_slots:
-            assert cache.acquire(layer, experts) is not None
-            cache.release(layer, experts)
-        link.complete_all()
-    scheduler.end_round({(layer, e) for layer, experts in experts_by_layer.items() for e in experts})
-    assert violations == []
-    assert cache.protected_keys() == frozenset()
-
-
-def test_auto_turns_conservative_while_rounds_wait_on_transfers_and_back() -> None:
-    cache, _ = make_cache(n_slots=4)
-    scheduler = PrefetchScheduler(cache, mode="auto")
-    assert not scheduler.conservative  # starts aggressive
-    scheduler._observe_wait(wait_s=0.01, round_s=0.1)
-    assert not scheduler.conservative and scheduler.wait_share == pytest.approx(0.1)
-    for _ in range(4):
-        scheduler._observe_wait(wait_s=0.06, round_s=0.1)
-    assert scheduler.conservative and scheduler.wait_share > 0.25
-    scheduler._observe_wait(wait_s=0.0, round_s=0.1)
-    assert scheduler.conservative  # between the two thresholds: keeps its mode
-    for _ in range(4):
-        scheduler._observe_wait(wait_s=0.0, round_s=0.1)
-    assert not scheduler.conservative and scheduler.wait_share < 0.12
-
-
-def test_auto_measures_each_round_between_begin_and_end(monkeypatch) -> None:
-    cache, _ = make_cache(n_slots=4)
-    scheduler = PrefetchScheduler(cache, mode="auto")
-    clock = iter([10.0, 10.1])
-    monkeypatch.setattr("specter.memory.scheduler.time.perf_counter", lambda: next(clock))
-    scheduler.begin_round()
-    cache.stats.transfer_wait_s += 0.08
-    scheduler.end_round(set())
-    assert scheduler.wait_share == pytest.approx(0.8) and scheduler.conservative
-
-
-def test_an_unknown_mode_is_refused() -> None:
-    cache, _ = make_cache(n_slots=4)
-    with pytest.raises(ValueError, match="aggressive, conservative, auto"):
-        PrefetchScheduler(cache, mode="eager")

@@ -1,0 +1,117 @@
+"""PrefetchScheduler's modes: ``conservative`` never evicts a prediction of the round except for
+the first layer ahead; ``auto`` turns conservative while rounds wait on transfers, and back."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from specter.memory.scheduler import PrefetchScheduler
+from specter.policies import LookaheadPolicy
+from held_link import N_EXPERTS, make_cache, submitted_keys, verify_round
+
+torch.set_num_threads(1)
+
+
+def test_conservative_keeps_a_later_layers_cached_prediction_and_copies_less() -> None:
+    """The round of ``test_a_later_layers_cached_expert_yields_its_slot_to_an_earlier_layers_prediction``
+    with ``mode="conservative"``: layer 0's experts (the first layer ahead) take the two slots
+    nothing predicts; layer 1's wait, since the only other slots hold layer 2's predictions, and
+    load on demand once layer 0 is done. Four copies instead of six, two of them demand loads."""
+    copies = {}
+    for conservative in (False, True):
+        cache, link = make_cache(n_slots=4, policy=LookaheadPolicy(), layers=(0, 1, 2))
+        cache.preload([(2, 4), (2, 5), (0, 5), (1, 5)])
+        scheduler = PrefetchScheduler(cache, max_in_flight=8, mode="conservative" if conservative else "aggressive")
+        scheduler.begin_round()
+        scheduler.add(2, [4, 5], [0.9, 0.8])
+        scheduler.add(0, [0, 1], [0.9, 0.8])
+        scheduler.add(1, [2, 3], [0.7, 0.6])
+        scheduler.flush()
+        if conservative:
+            assert submitted_keys(cache, link) == [(0, 0), (0, 1)]
+            assert cache.contains((2, 4)) and cache.contains((2, 5))
+        verify_round(cache, link, scheduler, {0: [0, 1], 1: [2, 3], 2: [4, 5]})
+        scheduler.end_round({(0, 0), (0, 1), (1, 2), (1, 3), (2, 4), (2, 5)})
+        copies[conservative] = (len(link.submitted), cache.stats.misses)
+    assert copies == {False: (6, 0), True: (4, 2)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n_slots=st.integers(2, 8),
+    cached=st.lists(st.tuples(st.integers(0, 3), st.integers(0, N_EXPERTS - 1)), max_size=8),
+    picks=st.lists(st.lists(st.integers(0, N_EXPERTS - 1), min_size=1, max_size=4), min_size=4, max_size=4),
+    order=st.permutations(range(4)),
+)
+def test_conservative_prefetches_evict_a_prediction_only_for_the_first_layer_ahead(n_slots, cached, picks, order):
+    """Property: with ``mode="conservative"``, a prefetch (while drafting, at the flush, or streamed
+    during verification) evicts a key still predicted for the round only when it loads a key of
+    the first layer still ahead; verification still gets every expert it uses."""
+    experts_by_layer = {layer: sorted(set(p)) for layer, p in enumerate(picks)}
+    cache, link = make_cache(n_slots, policy=LookaheadPolicy(), layers=(0, 1, 2, 3))
+    cache.preload(list(dict.fromkeys(cached))[-n_slots:])
+    scheduler = PrefetchScheduler(cache, max_in_flight=2, mode="conservative")
+    prefetch = cache.prefetch
+    violations = []
+
+    def checked_prefetch(layer: int, expert: int, score: float = 0.0) -> bool:
+        ahead = set(scheduler._ahead)  # the predictions verification has not passed yet
+        before = set(cache.resident_keys())
+        placed = prefetch(layer, expert, score)
+        evicted = (before - set(cache.resident_keys())) & ahead
+        if evicted and layer != min(key[0] for key in ahead):
+            violations.append(((layer, expert), evicted))
+        return placed
+
+    cache.prefetch = checked_prefetch
+    scheduler.begin_round()
+    for layer in order:
+        scheduler.add(layer, experts_by_layer[layer], [0.5] * len(experts_by_layer[layer]))
+        scheduler.pump()
+        link.complete_all()
+    scheduler.flush()
+    for layer, experts in experts_by_layer.items():
+        scheduler.advance(layer)
+        if len(experts) <= n_slots:
+            assert cache.acquire(layer, experts) is not None
+            cache.release(layer, experts)
+        link.complete_all()
+    scheduler.end_round({(layer, e) for layer, experts in experts_by_layer.items() for e in experts})
+    assert violations == []
+    assert cache.protected_keys() == frozenset()
+
+
+def test_auto_turns_conservative_while_rounds_wait_on_transfers_and_back() -> None:
+    cache, _ = make_cache(n_slots=4)
+    scheduler = PrefetchScheduler(cache, mode="auto")
+    assert not scheduler.conservative  # starts aggressive
+    scheduler._observe_wait(wait_s=0.01, round_s=0.1)
+    assert not scheduler.conservative and scheduler.wait_share == pytest.approx(0.1)
+    for _ in range(4):
+        scheduler._observe_wait(wait_s=0.06, round_s=0.1)
+    assert scheduler.conservative and scheduler.wait_share > 0.25
+    scheduler._observe_wait(wait_s=0.0, round_s=0.1)
+    assert scheduler.conservative  # between the two thresholds: keeps its mode
+    for _ in range(4):
+        scheduler._observe_wait(wait_s=0.0, round_s=0.1)
+    assert not scheduler.conservative and scheduler.wait_share < 0.12
+
+
+def test_auto_measures_each_round_between_begin_and_end(monkeypatch) -> None:
+    cache, _ = make_cache(n_slots=4)
+    scheduler = PrefetchScheduler(cache, mode="auto")
+    clock = iter([10.0, 10.1])
+    monkeypatch.setattr("specter.memory.scheduler.time.perf_counter", lambda: next(clock))
+    scheduler.begin_round()
+    cache.stats.transfer_wait_s += 0.08
+    scheduler.end_round(set())
+    assert scheduler.wait_share == pytest.approx(0.8) and scheduler.conservative
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    cache, _ = make_cache(n_slots=4)
+    with pytest.raises(ValueError, match="aggressive, conservative, auto"):
+        PrefetchScheduler(cache, mode="eager")
