@@ -114,7 +114,7 @@ class OffloadConfig(_Section):
                            "round to load one needed sooner: earliest arrival), conservative (never evict a "
                            "prediction of this round, except for the layer verification needs next: fewer copies, "
                            "for links slower than compute) or auto (conservative while rounds wait on transfers "
-                           "for more than a quarter of their time)", "auto",
+                           "for more than 30% of their time)", "auto",
                            **_one_of("aggressive", "conservative", "auto"))
     pin_memory: bool = _field("pin host expert memory when the device is CUDA", True)
     experts_on: str = _field("where the full-precision experts live below the cache: host (memory) or disk "

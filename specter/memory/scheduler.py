@@ -27,10 +27,11 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    protected (not only the window), so a prefetch never evicts a key this round is predicted to
    need, which would have to stream back; only keys of the first layer still ahead (those
    verification needs next, which would otherwise load on demand and evict such a key anyway)
-   may evict predictions beyond the window. ``auto`` starts aggressive and is conservative while
-   the rounds wait on transfers (a moving average of the share of ``begin_round`` ..
+   may evict predictions beyond the window. ``auto`` starts aggressive and is conservative once
+   the rounds wait on transfers (a moving average, from 0, of the share of ``begin_round`` ..
    ``end_round`` spent in the cache's transfer waits) above ``AUTO_ENTER_WAIT``, until it falls
-   below ``AUTO_LEAVE_WAIT``.
+   below ``AUTO_LEAVE_WAIT`` (a round right after a prefill, which waits long, cannot decide it
+   alone).
 ``end_round(used)`` compares what was predicted with what the target used, counts the
 predictions not in the cache when their layer was reached (``not_admitted``), then lifts the
 protection. The cache policy also receives the round's predictions still ahead (the window's
@@ -67,9 +68,9 @@ class SchedulerStats:
 
 
 PREFETCH_MODES = ("aggressive", "conservative", "auto")
-AUTO_ENTER_WAIT = 0.25  # link-bound: every bench-governor row on a 2 GB/s link waited 0.35-0.68
-AUTO_LEAVE_WAIT = 0.12  # compute-bound: on 20 GB/s 0.004-0.13
-AUTO_WAIT_DECAY = 0.7  # weight of the past in the moving average of the wait share
+AUTO_ENTER_WAIT = 0.3  # link-bound: every bench-governor row on a 2 GB/s link waited 0.35-0.68
+AUTO_LEAVE_WAIT = 0.2  # compute-bound: on 20 GB/s 0.004-0.13; the bundled model at 25% on 1 GB/s ~0.2
+AUTO_WAIT_DECAY = 0.8  # weight of the past in the moving average of the wait share, which starts at 0
 
 
 class PrefetchScheduler:
@@ -80,7 +81,7 @@ class PrefetchScheduler:
         self.max_in_flight = max_in_flight
         self.mode = mode
         self.conservative = mode == "conservative"
-        self.wait_share: float | None = None  # moving average over rounds (mode auto)
+        self.wait_share: float | None = 0.0 if mode == "auto" else None  # moving average over rounds
         self._round_started = 0.0
         self._wait_before = 0.0
         self._beyond_window: list[ExpertKey] = []  # protected only because conservative
@@ -249,8 +250,7 @@ class PrefetchScheduler:
         if round_s <= 0:
             return
         share = min(1.0, max(0.0, wait_s / round_s))
-        self.wait_share = share if self.wait_share is None else (
-            AUTO_WAIT_DECAY * self.wait_share + (1 - AUTO_WAIT_DECAY) * share)
+        self.wait_share = AUTO_WAIT_DECAY * (self.wait_share or 0.0) + (1 - AUTO_WAIT_DECAY) * share
         if self.wait_share > AUTO_ENTER_WAIT:
             self.conservative = True
         elif self.wait_share < AUTO_LEAVE_WAIT:

@@ -87,17 +87,17 @@ def test_conservative_prefetches_evict_a_prediction_only_for_the_first_layer_ahe
 def test_auto_turns_conservative_while_rounds_wait_on_transfers_and_back() -> None:
     cache, _ = make_cache(n_slots=4)
     scheduler = PrefetchScheduler(cache, mode="auto")
-    assert not scheduler.conservative  # starts aggressive
-    scheduler._observe_wait(wait_s=0.01, round_s=0.1)
-    assert not scheduler.conservative and scheduler.wait_share == pytest.approx(0.1)
-    for _ in range(4):
+    assert not scheduler.conservative and scheduler.wait_share == 0.0  # starts aggressive, from no wait
+    scheduler._observe_wait(wait_s=0.6, round_s=1.0)  # one long wait (a round right after a prefill)
+    assert not scheduler.conservative and scheduler.wait_share == pytest.approx(0.12)
+    for _ in range(3):
         scheduler._observe_wait(wait_s=0.06, round_s=0.1)
-    assert scheduler.conservative and scheduler.wait_share > 0.25
+    assert scheduler.conservative and scheduler.wait_share > 0.3
     scheduler._observe_wait(wait_s=0.0, round_s=0.1)
-    assert scheduler.conservative  # between the two thresholds: keeps its mode
-    for _ in range(4):
+    assert scheduler.conservative and 0.2 < scheduler.wait_share < 0.3  # between the thresholds: kept
+    for _ in range(3):
         scheduler._observe_wait(wait_s=0.0, round_s=0.1)
-    assert not scheduler.conservative and scheduler.wait_share < 0.12
+    assert not scheduler.conservative and scheduler.wait_share < 0.2
 
 
 def test_auto_measures_each_round_between_begin_and_end(monkeypatch) -> None:
@@ -108,7 +108,7 @@ def test_auto_measures_each_round_between_begin_and_end(monkeypatch) -> None:
     scheduler.begin_round()
     cache.stats.transfer_wait_s += 0.08
     scheduler.end_round(set())
-    assert scheduler.wait_share == pytest.approx(0.8) and scheduler.conservative
+    assert scheduler.wait_share == pytest.approx(0.2 * 0.8)  # one round that waited 80% of its time
 
 
 def test_an_unknown_mode_is_refused() -> None:
