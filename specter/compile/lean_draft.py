@@ -18,13 +18,15 @@ On the widened model (one thread, ``python scripts/draft_step_parts.py``, two ru
 draft step took 13.1-13.9 ms through the model's forward and 10.6-11.6 ms here, same logits.
 Only the draft runs it: its tokens are proposals the target verifies, so a rounding
 difference could cost acceptance but never change an emitted token; verification always runs
-the model's own forward. On a CPU in float32 its attention projections and LM head (the
-target's own weights, [out, in]) go through Specter's native row kernel (``native_rows``: one
-token is one row group) where it builds: after a verification has swept the caches these
-weights are read cold, and there ``F.linear`` read a [4096, 256] LM head in 0.52 ms against the
-kernel's 0.19 ms, a [256, 256] projection in 0.053 against 0.037 ms (one thread, medians of 40
-calls after evicting a 64 MiB buffer; ``/tmp`` script). Weights under ``NATIVE_MIN_ROWS`` rows
-(the router) stay on ``F.linear``, which is faster there.
+the model's own forward. On a CPU in float32 each norm goes with the projections that read its
+output into one native call (``native_rows.normed_rows``: the input norm with q, k and v, the
+post-attention norm with the router, the final norm with the LM head; the target's own weights,
+[out, in]), o through the native row kernel (``native_rows.grouped_rows``), and q and k rotate
+in three ops (``_rope``). Against the previous step (each norm and projection its own op, o and
+the projections on the row kernel, ``rotate``'s slices and cat), the same engine, one thread,
+rounds of five steps alternating in one process with 256 MiB swept before each: 3.44 against
+3.98 ms a step (medians of 100 rounds each; ``/tmp`` script, 2026-12-03). Narrow weights off the
+native path (under ``NATIVE_MIN_ROWS`` rows) stay on ``F.linear``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specter.compile.decoder_math import (
-    arch_of, layer_weights_of, queries_keys_values, rms_norm, rope_tables, select_experts,
+    arch_of, layer_weights_of, rms_norm, rope_tables, select_experts,
     unsupported_reason as decoder_unsupported,
 )
 from specter.kernels import native_rows
@@ -67,8 +69,9 @@ class LeanDraftStep:
         self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias  # [V, H]
         self.inv_freq = decoder.rotary_emb.inv_freq
         self._cos = self._sin = self.embed.new_empty(0)  # rope tables [positions, 1, head_dim], grown on demand
-        projections = [t for w in self.weights for t in (w.q, w.k, w.v, w.o)] + [self.lm_head]
-        self.native_rows = native_rows.serves(self.embed, *projections)
+        projections = [t for w in self.weights for t in (w.q, w.k, w.v, w.o, w.router)] + [self.lm_head]
+        norms = [t for w in self.weights for t in (w.input_norm, w.post_norm)] + [self.final_norm]
+        self.native_rows = native_rows.serves(self.embed, *projections, *norms)
         self._one_row = torch.ones(1, dtype=torch.long)  # the row groups' ends: one group of one row
 
     def project(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -84,10 +87,48 @@ class LeanDraftStep:
         return cls(model, runtime) if unsupported_reason(model, runtime) is None else None
 
     def _rope(self, position: int) -> tuple[Tensor, Tensor]:
+        """cos and the signed sin at ``position`` [1, 1, d]: rotating x is ``x * cos +
+        x.roll(d/2) * signed_sin`` (signed_sin = [-sin, sin] halves: ``rotate``'s
+        ``cat(-x2, x1) * sin``, without the slices and the cat)."""
         if position >= self._cos.shape[0]:
             positions = torch.arange(max(2 * position, 256), device=self.inv_freq.device)
-            self._cos, self._sin = rope_tables(self.inv_freq, positions, self.arch.rope_scaling, self.embed.dtype)
+            self._cos, sin = rope_tables(self.inv_freq, positions, self.arch.rope_scaling, self.embed.dtype)
+            half = sin.shape[-1] // 2
+            self._sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return self._cos[position : position + 1], self._sin[position : position + 1]  # [1, 1, d]
+
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        if x.dtype == torch.float32:  # one op; the model's RMSNorm is the same math in float32
+            return F.rms_norm(x, (x.shape[-1],), weight, self.arch.eps)
+        return rms_norm(x, weight, self.arch.eps)
+
+    def _norm_project(self, h: Tensor, norm_weight: Tensor, weights: list[Tensor],
+                      biases: list[Tensor | None]) -> tuple[Tensor, list[Tensor]]:
+        """The RMS-normed row ``h [1, H]`` and each weight on it (plus its bias): one native call
+        (``native_rows.normed_rows``) where the kernel serves."""
+        if self.native_rows:
+            x, joined = native_rows.normed_rows(h, norm_weight, self.arch.eps, weights)
+            outs = list(joined.split([w.shape[0] for w in weights], dim=-1)) if len(weights) > 1 else [joined]
+        else:
+            x = self._norm(h, norm_weight)
+            outs = [F.linear(x, w) for w in weights]
+        return x, [y if b is None else y + b for y, b in zip(outs, biases)]
+
+    def _queries_keys_values(self, w, h: Tensor, cos: Tensor, signed_sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``decoder_math.queries_keys_values`` for one row, the input norm included: ``h [1, H]``
+        -> q [1, nH, d], k and v [1, nKV, d], per-head normed where the model has it, q and k
+        rotated."""
+        arch = self.arch
+        _, (q, k, v) = self._norm_project(h, w.input_norm, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias])
+        q = q.view(1, arch.n_heads, arch.head_dim)
+        k = k.view(1, arch.n_kv_heads, arch.head_dim)
+        v = v.view(1, arch.n_kv_heads, arch.head_dim)
+        if w.q_norm is not None:
+            q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
+        half = arch.head_dim // 2
+        q = torch.addcmul(q * cos, q.roll(half, -1), signed_sin)
+        k = torch.addcmul(k * cos, k.roll(half, -1), signed_sin)
+        return q, k, v
 
     def step(self, token: int, kv, logits: bool = True) -> Tensor | None:
         """One token through the model, draft experts and all: fp32 logits [V]; appends to ``kv``.
@@ -97,19 +138,20 @@ class LeanDraftStep:
         cos, sin = self._rope(kv.get_seq_length())
         h = self.embed[token][None]  # [1, H]
         for layer, w in enumerate(self.weights):
-            q, k, v = queries_keys_values(arch, w, rms_norm(h, w.input_norm, arch.eps), cos, sin, self.project)
+            q, k, v = self._queries_keys_values(w, h, cos, sin)
             keys, values = kv.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # [1, nKV, L, d]
             attended = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys, values, scale=arch.scaling,
                 enable_gqa=arch.n_heads != arch.n_kv_heads,
             )  # [1, nH, 1, d]: one query attends every cached position
             h = h + self.project(attended.reshape(1, -1), w.o, w.o_bias)
-            x = rms_norm(h, w.post_norm, arch.eps)
-            top_k_weights, top_k_index = select_experts(arch, F.linear(x, w.router))  # [1, k]
+            x, (router_logits,) = self._norm_project(h, w.post_norm, [w.router], [None])
+            top_k_weights, top_k_index = select_experts(arch, router_logits)  # [1, k]
             h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
         if not logits:
             return None
-        return self.project(rms_norm(h, self.final_norm, arch.eps), self.lm_head, self.lm_head_bias)[0].float()
+        _, (logits_row,) = self._norm_project(h, self.final_norm, [self.lm_head], [self.lm_head_bias])
+        return logits_row[0].float()
 
 
 def use_lean_draft(engine) -> bool:

@@ -9,6 +9,10 @@ Contract:
   nothing). Each weight row is read once for all the rows of its group, with two float32 FMA
   accumulators per row (a different summation order from BLAS: equal to rounding, not bit for
   bit). ``torch.ops.specter_native.grouped_rows``, with a fake implementation for compiled graphs.
+- ``normed_rows(h [1, K], norm_weight [K], eps, weights) -> (normed [1, K], [1, sum N_i])``: an
+  RMS norm of one row (float32, ``normed = h * rsqrt(mean(h^2) + eps) * norm_weight``; the sum of
+  squares in a different order from PyTorch's), then each [N_i, K] weight on it, outputs side by
+  side (``specter_native::normed_rows``): the draft step's norm-and-projections in one call.
 Why: on this project's CPU (one thread) MKL's ``x @ W^T`` for an [8192, 256] fp32 weight ran at
 6.2 GB/s for one row but 2.8-3.3 GB/s for 2-5 rows (it packs the weight first), and
 ``torch._grouped_mm`` over six experts of 1-2 rows each took 2.6 ms per expert's 12 MiB; this
@@ -36,3 +40,8 @@ def serves(x: Tensor, *weights: Tensor) -> bool:
 def grouped_rows(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     """``x [P, K] @ w[group]^T`` per row group (see the module docstring); ``serves`` must hold."""
     return torch.ops.specter_native.grouped_rows(x.contiguous(), w, ends)
+
+
+def normed_rows(h: Tensor, norm_weight: Tensor, eps: float, weights: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The RMS-normed row and every weight on it (see the module docstring); ``serves`` must hold."""
+    return torch.ops.specter_native.normed_rows(h.contiguous(), norm_weight, eps, weights)

@@ -10,8 +10,8 @@ Contract:
   takes its PyTorch path). Nothing is built at import. ``disabled()``: a context in which
   ``available()`` is False (A/B timings; not thread-safe against concurrent model code).
 - The ops, each a ``torch.ops.specter_native`` dispatcher op with a fake implementation (compiled
-  graphs call them as extern kernels): ``int4_gemv`` and ``int4_rows`` (``specter.kernels.int4_native``,
-  the INT4 draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts);
+  graphs call them as extern kernels): ``int4_gemv``, ``int4_rows`` and ``int4_glu_token``
+  (``specter.kernels.int4_native``, the INT4 draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts);
   ``stream_copy`` (``specter.memory.stream_copy``, the links' large host copies) mutates its
   destination and is not called from compiled graphs.
 """
@@ -55,6 +55,8 @@ def _build() -> str | None:
     torch.library.register_fake("specter_native::int4_gemv")(_fake_gemv)
     torch.library.register_fake("specter_native::grouped_rows")(_fake_grouped_rows)
     torch.library.register_fake("specter_native::int4_rows")(_fake_int4_rows)
+    torch.library.register_fake("specter_native::int4_glu_token")(_fake_int4_glu_token)
+    torch.library.register_fake("specter_native::normed_rows")(_fake_normed_rows)
     return None
 
 
@@ -75,6 +77,15 @@ def _fake_gemv(x: Tensor, packed: Tensor, scales: Tensor, group: int) -> Tensor:
 
 def _fake_int4_rows(x: Tensor, packed: Tensor, scales: Tensor, ids: Tensor, group: int) -> Tensor:
     return x.new_empty(x.shape[0], packed.shape[1])
+
+
+def _fake_int4_glu_token(x: Tensor, up_packed: Tensor, up_scales: Tensor, down_packed: Tensor, down_scales: Tensor,
+                         ids: Tensor, weights: Tensor, up_group: int, down_group: int) -> Tensor:
+    return x.new_empty(1, down_packed.shape[1])
+
+
+def _fake_normed_rows(h: Tensor, norm_weight: Tensor, eps: float, weights: list[Tensor]) -> tuple[Tensor, Tensor]:
+    return h.new_empty(h.shape), h.new_empty(1, sum(w.shape[0] for w in weights))
 
 
 def _fake_grouped_rows(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:

@@ -205,3 +205,22 @@ def test_decode_path_compiles_with_inductor() -> None:
         hidden, index, weights = routing(1)
         expected = int4.forward_grouped(hidden, index, weights)
         torch.testing.assert_close(compiled(hidden, index, weights), expected, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch, fused", [("mixtral", True), ("qwen2-moe", True), ("gpt-oss", False)])
+def test_one_token_takes_the_fused_native_sum_where_the_gate_is_plain_silu(arch: str, fused: bool, monkeypatch) -> None:
+    from specter import native
+    from specter.kernels import int4_native
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    int4 = Int4Experts.from_module(experts_of(tiny(arch)), group_size=64)
+    assert int4.backend == "cpu-native" and int4.fused_token is fused  # GPT-OSS: clamped, interleaved gate and biases
+    calls = []
+    real = int4_native.glu_token
+    monkeypatch.setattr(int4_native, "glu_token", lambda *args: calls.append(1) or real(*args))
+    hidden, index, weights = routing(1, seed=5)
+    with torch.no_grad():
+        out = int4.forward(hidden, index, weights)
+        torch.testing.assert_close(out, int4.forward_gather(hidden, index, weights), rtol=1e-5, atol=1e-6)
+    assert len(calls) == (1 if fused else 0)

@@ -84,3 +84,25 @@ def test_disabled_switches_the_native_kernels_off_for_a_block() -> None:
         assert not native.available() and "disabled" in native.unavailable_reason()
         assert not native_rows.serves(torch.zeros(1, 32), torch.zeros(2, 8, 32))
     assert native.unavailable_reason() == before
+
+
+@needs_native
+def test_normed_rows_is_the_rms_norm_then_each_weight() -> None:
+    gen = torch.Generator().manual_seed(3)
+    h, norm = torch.randn(1, 64, generator=gen) * 3, torch.rand(64, generator=gen) + 0.5
+    weights = [torch.randn(n, 64, generator=gen) for n in (32, 16, 5)]
+    normed, joined = native_rows.normed_rows(h, norm, 1e-5, weights)
+    expected = torch.nn.functional.rms_norm(h.double(), (64,), norm.double(), 1e-5)
+    torch.testing.assert_close(normed.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(joined.double(), torch.cat([expected @ w.double().T for w in weights], dim=-1),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_normed_rows_refuses_what_it_cannot_compute() -> None:
+    with pytest.raises(RuntimeError, match=r"\[1, K\]"):
+        native_rows.normed_rows(torch.randn(2, 64), torch.ones(64), 1e-5, [torch.randn(4, 64)])
+    with pytest.raises(RuntimeError, match="norm_weight"):
+        native_rows.normed_rows(torch.randn(1, 64), torch.ones(48), 1e-5, [torch.randn(4, 64)])
+    with pytest.raises(RuntimeError, match=r"\[N, K\]"):
+        native_rows.normed_rows(torch.randn(1, 64), torch.ones(64), 1e-5, [torch.randn(4, 48)])

@@ -7,11 +7,15 @@
 // time, sharing each load of x), so a group of 2-8 rows costs less than twice one row's time:
 // the memory-bound regime of decode and verification, where BLAS's small-M GEMM packs the weight
 // first and runs at half a matrix-vector product's speed.
+//   normed_rows(h float32 [1, K], norm_weight [K], eps, weights [N_i, K]...) -> (normed [1, K],
+//   [1, sum N_i]): an RMS norm, then every weight on the normed row, outputs side by side.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+#include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <immintrin.h>
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "grouped_rows.cpp is built with -mavx2 -mfma (specter/kernels/native_rows.py)"
@@ -126,6 +130,54 @@ at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(specter_native, m) { m.def("grouped_rows(Tensor x, Tensor w, Tensor ends) -> Tensor"); }
+// One row through an RMS norm and then several weights: normed = h * rsqrt(mean(h^2) + eps) *
+// norm_weight; out = [W_0 normed, W_1 normed, ...] concatenated. The draft step's "norm, then the
+// q / k / v projections" (or the router, or the LM head) in one call instead of a dozen small ops.
+std::tuple<at::Tensor, at::Tensor> normed_rows(const at::Tensor& h, const at::Tensor& norm_weight, double eps,
+                                               at::TensorList weights) {
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.scalar_type() == at::kFloat && h.is_contiguous(),
+              "normed_rows: h must be a contiguous float32 [1, K] tensor");
+  const int64_t k = h.size(1);
+  TORCH_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == k && norm_weight.scalar_type() == at::kFloat &&
+                  norm_weight.is_contiguous(),
+              "normed_rows: norm_weight must be a contiguous float32 [K] tensor");
+  TORCH_CHECK(k % 16 == 0, "normed_rows: K must be a multiple of 16");
+  int64_t total = 0;
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.scalar_type() == at::kFloat && w.is_contiguous(),
+                "normed_rows: every weight must be a contiguous float32 [N, K] tensor");
+    total += w.size(0);
+  }
+  auto normed = at::empty({1, k}, h.options());
+  auto out = at::empty({1, total}, h.options());
+  const float* hp = h.data_ptr<float>();
+  const float* nw = norm_weight.data_ptr<float>();
+  float* xp = normed.data_ptr<float>();
+  __m256 squares = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m256 v = _mm256_loadu_ps(hp + i);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  const float inv = 1.0f / std::sqrt(hsum(squares) / static_cast<float>(k) + static_cast<float>(eps));
+  for (int64_t i = 0; i < k; ++i) xp[i] = nw[i] * (hp[i] * inv);
+  float* op = out.data_ptr<float>();
+  for (const at::Tensor& w : weights) {
+    const float* wp = w.data_ptr<float>();
+    const int64_t n = w.size(0);
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t stop) {
+      for (int64_t j = begin; j < stop; ++j) dot_rows<1>(wp + j * k, xp, k, op + j, 1);
+    });
+    op += n;
+  }
+  return {normed, out};
+}
 
-TORCH_LIBRARY_IMPL(specter_native, CPU, m) { m.impl("grouped_rows", &grouped_rows); }
+TORCH_LIBRARY_FRAGMENT(specter_native, m) {
+  m.def("grouped_rows(Tensor x, Tensor w, Tensor ends) -> Tensor");
+  m.def("normed_rows(Tensor h, Tensor norm_weight, float eps, Tensor[] weights) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
+  m.impl("grouped_rows", &grouped_rows);
+  m.impl("normed_rows", &normed_rows);
+}

@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 #include <cmath>
 #include <cstdint>
@@ -127,6 +128,37 @@ struct QuantizedRows {
   }
 };
 
+
+// e^x for 8 floats (Cephes-style: 2^n * p(r), r = x - n ln 2, |r| <= ln 2 / 2; about 1 ulp
+// for |x| < 87, saturating outside): the gate's SiLU without a call per value.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// a[i] = silu(h[i]) * h[i + width] (transformers' default gate: the first half is the gate).
+void silu_glu(const float* h, int64_t width, float* a) {
+  int64_t i = 0;
+  for (; i + 8 <= width; i += 8) {
+    const __m256 g = _mm256_loadu_ps(h + i);
+    const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_storeu_ps(a + i, _mm256_mul_ps(sig, _mm256_loadu_ps(h + width + i)));
+  }
+  for (; i < width; ++i) a[i] = h[i] / (1.0f + std::exp(-h[i])) * h[width + i];
+}
+
 }  // namespace
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group) {
@@ -187,12 +219,72 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return out;
 }
 
+// One token through its k experts, SiLU-gated: out = sum_s weights[s] * down_e(silu(g) * u) with
+// [g; u] = up_e(x), e = ids[s] (up_packed [E, 2I, K/2], down_packed [E, H, I/2]). Each matmul is
+// int4_rows' (x and each gated row quantized per 64-value chunk); the slots are summed in order.
+at::Tensor int4_glu_token(const at::Tensor& x, const at::Tensor& up_packed, const at::Tensor& up_scales,
+                          const at::Tensor& down_packed, const at::Tensor& down_scales, const at::Tensor& ids,
+                          const at::Tensor& weights, int64_t up_group, int64_t down_group) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int4_glu_token: x must be a contiguous float32 [1, K] tensor");
+  for (const at::Tensor* t : {&up_packed, &down_packed})
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kByte && t->is_contiguous(),
+                "int4_glu_token: packed weights must be contiguous uint8 [E, N, K/2] tensors");
+  for (const at::Tensor* t : {&up_scales, &down_scales})
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "int4_glu_token: scales must be contiguous float32 [E, N, K/group] tensors");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "int4_glu_token: ids must be int64 [S]");
+  TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == ids.size(0),
+              "int4_glu_token: weights must be float32 [S], one per id");
+  const int64_t experts = up_packed.size(0), k = x.size(1), up_n = up_packed.size(1), width = up_n / 2;
+  const int64_t h = down_packed.size(1);
+  TORCH_CHECK(up_n % 2 == 0 && up_packed.size(2) * 2 == k && down_packed.size(0) == experts &&
+                  down_packed.size(2) * 2 == width,
+              "int4_glu_token: up must be [E, 2I, K/2] and down [E, H, I/2] for x [1, K]");
+  TORCH_CHECK(k % kChunk == 0 && width % kChunk == 0 && up_group % kChunk == 0 && down_group % kChunk == 0 &&
+                  k % up_group == 0 && width % down_group == 0,
+              "int4_glu_token: K, I and the groups must be multiples of 64 (K and I of their groups)");
+  TORCH_CHECK(up_scales.size(0) == experts && up_scales.size(1) == up_n && up_scales.size(2) == k / up_group &&
+                  down_scales.size(0) == experts && down_scales.size(1) == h && down_scales.size(2) == width / down_group,
+              "int4_glu_token: scales shapes do not match the packed weights");
+  auto ids_c = ids.contiguous();
+  auto weights_c = weights.contiguous();
+  const int64_t* ip = ids_c.data_ptr<int64_t>();
+  const float* wp = weights_c.data_ptr<float>();
+  for (int64_t s = 0; s < ids.size(0); ++s)
+    TORCH_CHECK(ip[s] >= 0 && ip[s] < experts, "int4_glu_token: expert id out of range");
+  auto out = at::zeros({1, h}, x.options());
+  float* op = out.data_ptr<float>();
+  const QuantizedRows xq(x.data_ptr<float>(), 1, k, up_group);
+  std::vector<float> gate_up(up_n), gated(width), y(h);
+  const uint8_t* upw = up_packed.data_ptr<uint8_t>();
+  const float* ups = up_scales.data_ptr<float>();
+  const uint8_t* dnw = down_packed.data_ptr<uint8_t>();
+  const float* dns = down_scales.data_ptr<float>();
+  for (int64_t s = 0; s < ids.size(0); ++s) {
+    const int64_t e = ip[s];
+    at::parallel_for(0, up_n, 64, [&](int64_t begin, int64_t end) {
+      xq.dots(0, upw + e * up_n * (k / 2), ups + e * up_n * (k / up_group), begin, end, gate_up.data());
+    });
+    silu_glu(gate_up.data(), width, gated.data());
+    const QuantizedRows aq(gated.data(), 1, width, down_group);
+    at::parallel_for(0, h, 64, [&](int64_t begin, int64_t end) {
+      aq.dots(0, dnw + e * h * (width / 2), dns + e * h * (width / down_group), begin, end, y.data());
+    });
+    for (int64_t j = 0; j < h; ++j) op[j] += wp[s] * y[j];
+  }
+  return out;
+}
+
 TORCH_LIBRARY(specter_native, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales, int group) -> Tensor");
   m.def("int4_rows(Tensor x, Tensor packed, Tensor scales, Tensor ids, int group) -> Tensor");
+  m.def("int4_glu_token(Tensor x, Tensor up_packed, Tensor up_scales, Tensor down_packed, Tensor down_scales, "
+        "Tensor ids, Tensor weights, int up_group, int down_group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_rows", &int4_rows);
+  m.impl("int4_glu_token", &int4_glu_token);
 }
