@@ -168,6 +168,5 @@ def build_engine(recipe) -> Engine:
         from specter.compile.attach import compile_engine
 
         compile_engine(engine)
-    else:
-        use_lean_draft(engine)
+    use_lean_draft(engine)
     return engine

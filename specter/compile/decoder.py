@@ -32,8 +32,9 @@ Contract:
     any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
     (for predictors that must act between layers, e.g. router lookahead) unless the fused graph
     calls the host at each layer (CPU), where they act inside it. For cache target steps, and for
-    draft steps (fused INT4 gather against compiled attention + the eager grouped INT4 experts), a
-    ``PathChooser`` measures both paths and takes the faster one; draft steps between
+    draft steps (the fused draft graph against a layered path: the eager lean step where
+    ``lean_step`` is set, on a CPU with Specter's native kernels, else compiled attention + the
+    eager grouped INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft steps between
     ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path, judged by the caller.
 - After a fused step without host calls (draft steps; cache target steps under CUDA graphs) the
   host replays per layer what the eager path does inside the step: observers get (layer, expert
@@ -134,6 +135,7 @@ class CompiledDecoder:
             self.target_experts = SlotExperts(self.cache, self.expert_modules[0], host_handle=handle)
             self.host_experts = self._host_cache_experts
         self._draft_experts: CompiledDraftExperts | None = None
+        self.lean_step = None  # the eager lean draft step (lean_draft.use_lean_draft), the draft's layered path
         self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
 
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
@@ -270,7 +272,9 @@ class CompiledDecoder:
             self._replay(out, "draft")
             return out.logits
 
-        def layered() -> Tensor:  # compiled attention, the INT4 experts eagerly, observers per layer
+        def layered() -> Tensor:  # the lean step, else compiled attention with the INT4 experts eagerly
+            if self.lean_step is not None:
+                return self.lean_step.step(int(tokens[0]), kv)[None]
             return self._layered_logits(tokens, positions, kv_index, kv, host=self.host_experts)
 
         held = self.chooser.held(DRAFT_KEY)  # a round's path, judged by the engine (begin_draft_round)

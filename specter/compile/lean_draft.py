@@ -1,13 +1,14 @@
 """The draft's one-token step written over the model's weights, for eager speculative rounds.
 
-Contract: ``use_lean_draft(engine)`` gives an eager ``specter`` engine a lean step where its model
-allows (the composition root calls it; compiled engines run their own draft graph) and returns
-whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models whose decoder
+Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step where its model
+allows (the composition root calls it): an eager engine drafts with it; a compiled one on a CPU
+(native kernels serving) runs it as the layered path of its draft, which its path chooser
+measures against the compiled draft graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models whose decoder
 ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE without dense layers) with no
 sliding window, every decoder layer served by ``runtime``; otherwise None, and
 ``unsupported_reason(model, runtime)`` says why. ``step(token, kv)`` runs one token id through
-every layer, appends its K/V to the transformers cache ``kv`` at the positions the model's own
-forward would, computes the routed experts through ``runtime.forward`` (in draft mode: the INT4
+every layer, appends its K/V to ``kv`` at the positions the model's own forward would (a
+transformers cache, or the compiled decoder's ``StaticKV``, written in place, its length advanced), computes the routed experts through ``runtime.forward`` (in draft mode: the INT4
 experts; the observers see each layer's (layer, expert input, top_k_index, top_k_weights, mode)
 as from the model's forward) and returns fp32 logits [V] (``logits=False``: None, without the LM
 head, for the routing-only step).
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specter.compile.parts import StaticKV
 from specter.compile.decoder_math import (
     arch_of, layer_weights_of, rms_norm, rope_tables, select_experts,
     unsupported_reason as decoder_unsupported,
@@ -135,11 +137,18 @@ class LeanDraftStep:
         ``logits=False`` (a step run for its routing only) skips the final norm and LM head and
         returns None."""
         arch = self.arch
-        cos, sin = self._rope(kv.get_seq_length())
+        position = kv.get_seq_length()
+        static = isinstance(kv, StaticKV)
+        cos, sin = self._rope(position)
         h = self.embed[token][None]  # [1, H]
         for layer, w in enumerate(self.weights):
             q, k, v = self._queries_keys_values(w, h, cos, sin)
-            keys, values = kv.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # [1, nKV, L, d]
+            if static:  # the compiled decoder's buffers [1, nKV, max_len, d]: write in place
+                kv.keys[layer][0, :, position] = k[0]
+                kv.values[layer][0, :, position] = v[0]
+                keys, values = kv.keys[layer][:, :, : position + 1], kv.values[layer][:, :, : position + 1]
+            else:
+                keys, values = kv.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # [1, nKV, L, d]
             attended = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys, values, scale=arch.scaling,
                 enable_gqa=arch.n_heads != arch.n_kv_heads,
@@ -148,6 +157,8 @@ class LeanDraftStep:
             x, (router_logits,) = self._norm_project(h, w.post_norm, [w.router], [None])
             top_k_weights, top_k_index = select_experts(arch, router_logits)  # [1, k]
             h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
+        if static:
+            kv.length = position + 1
         if not logits:
             return None
         _, (logits_row,) = self._norm_project(h, self.final_norm, [self.lm_head], [self.lm_head_bias])
@@ -155,8 +166,18 @@ class LeanDraftStep:
 
 
 def use_lean_draft(engine) -> bool:
-    """Set ``engine.lean_draft`` where the engine drafts (``specter``) and its model allows."""
-    if not hasattr(engine, "lean_draft") or engine.compiled is not None:
+    """Give a drafting (``specter``) engine the lean step where its model allows: an eager engine
+    drafts with it (``engine.lean_draft``); a compiled one on a CPU, where the native kernels
+    serve the step, takes it as its draft's layered path (``engine.compiled.lean_step``: the
+    engine's path chooser measures it against the fused draft graph round by round). Whether it
+    did."""
+    if not hasattr(engine, "lean_draft"):
         return False
-    engine.lean_draft = LeanDraftStep.build(engine.model, engine.runtime)
-    return engine.lean_draft is not None
+    step = LeanDraftStep.build(engine.model, engine.runtime)
+    if engine.compiled is None:
+        engine.lean_draft = step
+    elif step is not None and step.native_rows:
+        engine.compiled.lean_step = step
+    else:
+        return False
+    return step is not None

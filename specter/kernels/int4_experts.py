@@ -19,7 +19,8 @@ Contract:
   matrix for all k experts (``forward_gather``; 1.20-1.33 ms against 1.38-1.51 ms per step of the
   widened model's four layers, one thread), elsewhere one matmul per expert matrix, changing
   dtype once per layer (``forward_one_token``). Under torch.compile ``forward`` takes
-  ``forward_static`` (no data-dependent Python, fixed shapes, ``fullgraph=True`` works), which
+  ``forward_static`` (no data-dependent Python, fixed shapes, ``fullgraph=True`` works): one token
+  through ``forward_fused_token`` where that serves (the native op as an extern kernel), else it
   picks by shape: ``forward_gather`` (one single-row matmul pair per (token, slot); on the
   cpu-int4pack backend through the custom op ``specter::int4_rows``, which reads each chosen
   expert's packed weights in place, elsewhere from a gathered copy of them) when T*k <= E, else
@@ -155,14 +156,18 @@ class Int4Experts:
             y = self.post_norm(y)
         return (top_k_weights[0].float() @ y)[None].to(hidden.dtype)  # [1, H]
 
+    def forward_fused_token(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """One token's whole SiLU-gated sum in one native call (``fused_token`` must hold)."""
+        up, down = self.up[0], self.down[0]
+        return int4_native.glu_token(hidden, (self.up_packed, self.up_scales, up.group_size),
+                                     (self.down_packed, self.down_scales, down.group_size),
+                                     top_k_index[0], top_k_weights[0]).to(hidden.dtype)
+
     def forward_grouped(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Eager path: the (token, slot) pairs sorted by expert, one matmul per expert hit."""
         if hidden.shape[0] == 1:
-            if self.fused_token:  # the whole SiLU-gated sum in one native call
-                up, down = self.up[0], self.down[0]
-                return int4_native.glu_token(hidden, (self.up_packed, self.up_scales, up.group_size),
-                                             (self.down_packed, self.down_scales, down.group_size),
-                                             top_k_index[0], top_k_weights[0]).to(hidden.dtype)
+            if self.fused_token:
+                return self.forward_fused_token(hidden, top_k_index, top_k_weights)
             if self.backend == "cpu-native":  # one native call per matrix for the k experts
                 return self.forward_gather(hidden, top_k_index, top_k_weights)
             return self.forward_one_token(hidden, top_k_index, top_k_weights)
@@ -183,8 +188,11 @@ class Int4Experts:
         return self._combine(expert_out, top_k_weights, hidden.dtype)
 
     def forward_static(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        """Compile path (fixed shapes, no data-dependent control flow): ``forward_gather`` when
-        the T*k (token, slot) pairs are no more than the experts, else ``forward_masked``."""
+        """Compile path (fixed shapes, no data-dependent control flow): one token through
+        ``forward_fused_token`` where it serves, else ``forward_gather`` when the T*k (token,
+        slot) pairs are no more than the experts, else ``forward_masked``."""
+        if self.fused_token and hidden.shape[0] == 1:  # an extern kernel in a compiled graph
+            return self.forward_fused_token(hidden, top_k_index, top_k_weights)
         if top_k_index.numel() <= self.num_experts:
             return self.forward_gather(hidden, top_k_index, top_k_weights)
         return self.forward_masked(hidden, top_k_index, top_k_weights)

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import specter
+from specter import native
 from specter.decode.governor import Governor
 from specter.compile.attach import compile_engine
 from specter.compile.decoder import CompiledDecoder, StaticKV, unsupported_reason
@@ -72,6 +73,8 @@ def test_compiled_offloaded_engines_match_eager(checkpoint, eager_resident, engi
         assert report["cache"]["decode"][key] == eager_report["cache"]["decode"][key], key
     if engine_name == "specter":
         assert report["compile"]["draft_steps"] > 0 and report["compile"]["fused_steps"] > 0
+        # on a CPU with the native kernels the draft's layered path is the lean step (tried, then chosen by time)
+        assert (engine.compiled.lean_step is not None) == native.available()
     if engine_name == "router-lookahead":  # its predictor acts between layers: inside the graph's host calls
         assert report["compile"]["fused_steps"] > 0 and report["compile"]["layered"] is False
     eager.close()

@@ -162,3 +162,42 @@ def test_a_routing_only_step_routes_and_caches_as_a_full_step_without_logits(che
         assert torch.equal(full_keys, none_keys)
     finally:
         engine.close()
+
+
+def test_on_the_compiled_decoders_static_cache_it_writes_and_reads_as_on_a_transformers_cache(checkpoints):
+    from specter.compile.parts import StaticKV
+
+    engine = build(checkpoints["mixtral"])
+    try:
+        config = engine.model.config
+        heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+        shape = (1, heads, 64, head_dim)
+        static = StaticKV([torch.zeros(shape) for _ in range(config.num_hidden_layers)],
+                          [torch.zeros(shape) for _ in range(config.num_hidden_layers)])
+        dynamic = engine.new_kv_cache()
+        with torch.inference_mode(), engine.runtime.drafting():
+            for token in PROMPT:  # both caches filled by the lean step itself
+                expected = engine.lean_draft.step(token, dynamic)
+                got = engine.lean_draft.step(token, static)
+            assert static.get_seq_length() == dynamic.get_seq_length() == len(PROMPT)
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+            for layer, cached in enumerate(dynamic.layers):
+                torch.testing.assert_close(static.keys[layer][:, :, :len(PROMPT)], cached.keys, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(static.values[layer][:, :, :len(PROMPT)], cached.values, rtol=1e-6, atol=1e-6)
+    finally:
+        engine.close()
+
+
+def test_a_compiled_engine_on_a_cpu_takes_the_lean_step_as_its_drafts_layered_path(checkpoints):
+    from types import SimpleNamespace
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    engine = build(checkpoints["mixtral"])
+    try:
+        engine.lean_draft, engine.compiled = None, SimpleNamespace(lean_step=None)  # as compile_engine leaves it
+        assert lean_draft.use_lean_draft(engine)
+        assert engine.lean_draft is None and isinstance(engine.compiled.lean_step, lean_draft.LeanDraftStep)
+        engine.compiled = None
+    finally:
+        engine.close()
