@@ -224,3 +224,21 @@ def test_one_token_takes_the_fused_native_sum_where_the_gate_is_plain_silu(arch:
         out = int4.forward(hidden, index, weights)
         torch.testing.assert_close(out, int4.forward_gather(hidden, index, weights), rtol=1e-5, atol=1e-6)
     assert len(calls) == (1 if fused else 0)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"])
+def test_every_layout_takes_the_fused_sum_exactly_where_its_gate_is_plain_silu(arch: str) -> None:
+    from specter import native
+    from specter.testing.zoo import random_model
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    int4 = next(iter(quantize_model_experts(random_model(arch, hidden=128, intermediate=128), 64).values()))
+    assert int4.fused_token is (arch != "gpt_oss")
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(1, 128, generator=gen)
+    index = torch.randperm(int4.num_experts, generator=gen)[:2][None]
+    weights = torch.softmax(torch.randn(1, 2, generator=gen), dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(int4.forward(hidden, index, weights), int4.forward_gather(hidden, index, weights),
+                                   rtol=1e-5, atol=1e-6)
