@@ -33,9 +33,9 @@ Contract:
     (for predictors that must act between layers, e.g. router lookahead) unless the fused graph
     calls the host at each layer (CPU), where they act inside it. For cache target steps, and for
     draft steps (the fused draft graph against a layered path: the eager lean step where
-    ``lean_step`` is set, on a CPU with Specter's native kernels, else compiled attention + the
-    eager grouped INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft steps between
-    ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path, judged by the caller.
+    ``lean_step`` is set, on a CPU with the native kernels, else compiled attention + the eager
+    grouped INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft
+    steps between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path the caller judges.
 - After a fused step without host calls (draft steps; cache target steps under CUDA graphs) the
   host replays per layer what the eager path does inside the step: observers get (layer, expert
   input, top_k_index, top_k_weights, mode); a cache target step's ``cache.acquire`` + ``release``

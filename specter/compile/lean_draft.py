@@ -3,12 +3,14 @@
 Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step where its model
 allows (the composition root calls it): an eager engine drafts with it; a compiled one on a CPU
 (native kernels serving) runs it as the layered path of its draft, which its path chooser
-measures against the compiled draft graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models whose decoder
+measures against the compiled draft graph; returns whether it did.
+``LeanDraftStep.build(model, runtime)`` returns a step for models whose decoder
 ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE without dense layers) with no
 sliding window, every decoder layer served by ``runtime``; otherwise None, and
 ``unsupported_reason(model, runtime)`` says why. ``step(token, kv)`` runs one token id through
 every layer, appends its K/V to ``kv`` at the positions the model's own forward would (a
-transformers cache, or the compiled decoder's ``StaticKV``, written in place, its length advanced), computes the routed experts through ``runtime.forward`` (in draft mode: the INT4
+transformers cache, or the compiled decoder's ``StaticKV``, written in place, its length
+advanced), computes the routed experts through ``runtime.forward`` (in draft mode: the INT4
 experts; the observers see each layer's (layer, expert input, top_k_index, top_k_weights, mode)
 as from the model's forward) and returns fp32 logits [V] (``logits=False``: None, without the LM
 head, for the routing-only step).
@@ -26,8 +28,9 @@ post-attention norm with the router, the final norm with the LM head; the target
 in three ops (``_rope``). Against the previous step (each norm and projection its own op, o and
 the projections on the row kernel, ``rotate``'s slices and cat), the same engine, one thread,
 rounds of five steps alternating in one process with 256 MiB swept before each: 3.44 against
-3.98 ms a step (medians of 100 rounds each; ``/tmp`` script, 2026-12-03). Narrow weights off the
-native path (under ``NATIVE_MIN_ROWS`` rows) stay on ``F.linear``.
+3.98 ms a step (medians of 100 rounds each; ``/tmp`` script, 2026-12-03). The router's narrow
+weight rides in its norm's call; alone, a weight under ``NATIVE_MIN_ROWS`` rows stays on
+``F.linear`` (faster there: stop 27's measurement of the router by itself).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from specter.compile.decoder_math import (
 )
 from specter.kernels import native_rows
 
-NATIVE_MIN_ROWS = 64  # narrower weights (the router's [E, H]) are faster through F.linear
+NATIVE_MIN_ROWS = 64  # ``project``: narrower weights are faster through F.linear
 
 
 def unsupported_reason(model: nn.Module, runtime) -> str | None:

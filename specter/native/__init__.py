@@ -11,7 +11,8 @@ Contract:
   ``available()`` is False (A/B timings; not thread-safe against concurrent model code).
 - The ops, each a ``torch.ops.specter_native`` dispatcher op with a fake implementation (compiled
   graphs call them as extern kernels): ``int4_gemv``, ``int4_rows`` and ``int4_glu_token``
-  (``specter.kernels.int4_native``, the INT4 draft) and ``grouped_rows`` (``specter.kernels.native_rows``, full-precision experts);
+  (``specter.kernels.int4_native``, the INT4 draft); ``grouped_rows`` and ``normed_rows``
+  (``specter.kernels.native_rows``: full-precision experts, the draft's norms and projections);
   ``stream_copy`` (``specter.memory.stream_copy``, the links' large host copies) mutates its
   destination and is not called from compiled graphs.
 """
