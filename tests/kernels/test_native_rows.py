@@ -34,10 +34,10 @@ def test_every_group_meets_its_own_weight(counts: list[int], k: int) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("counts", [[2], [1, 3, 0, 4], [7, 5]])
+@pytest.mark.parametrize("counts", [[2], [1], [1, 3, 0, 4], [7, 5]])
 @pytest.mark.parametrize("n", [40, 42, 3])
 def test_long_rows_read_four_weight_rows_at_a_time_with_any_remainder(counts: list[int], n: int) -> None:
-    # K >= 1024 with 2+ rows in a group takes the four-weight-rows path; n % 4 != 0 leaves a tail
+    # K >= 1024 takes the four-weight-rows path; n % 4 != 0 leaves a tail
     k = 1024
     gen = torch.Generator().manual_seed(n * 10 + len(counts))
     w = torch.randn(len(counts), n, k, generator=gen)
@@ -45,6 +45,20 @@ def test_long_rows_read_four_weight_rows_at_a_time_with_any_remainder(counts: li
     x = torch.randn(int(ends[-1]), k, generator=gen)
     out = native_rows.grouped_rows(x, w, ends)
     torch.testing.assert_close(out.double(), reference(x, w, ends), rtol=1e-5, atol=1e-3)
+
+
+@needs_native
+@pytest.mark.parametrize("k", [256, 4096])
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_weight(k: int) -> None:
+    # verification batches a token with others routed to its expert; a decode step runs it alone:
+    # the kernel gives that row the same bits either way (short and long rows alike)
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(1, 64, k, generator=gen)
+    x = torch.randn(9, k, generator=gen)
+    alone = torch.cat([native_rows.grouped_rows(x[i : i + 1], w, torch.tensor([1])) for i in range(9)])
+    for rows in range(2, 10):
+        together = native_rows.grouped_rows(x[:rows], w, torch.tensor([rows]))
+        assert torch.equal(together, alone[:rows]), f"{rows} rows sharing a [64, {k}] weight"
 
 
 @needs_native

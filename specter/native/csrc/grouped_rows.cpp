@@ -4,7 +4,8 @@
 //   rows ends[s-1] .. ends[s] (ends[-1] = 0) are multiplied by w[s]^T; empty groups are skipped.
 // Every weight row w[s, n] is read from memory once for all the rows of its group (up to four
 // rows share the accumulators, a fifth re-reads it from L1; long rows go four weight rows at a
-// time, sharing each load of x), so a group of 2-8 rows costs less than twice one row's time:
+// time, sharing each load of x), so a group of 2-8 rows costs less than twice one row's time. A
+// row's result depends on K and its own values only, not on how many rows its group has:
 // the memory-bound regime of decode and verification, where BLAS's small-M GEMM packs the weight
 // first and runs at half a matrix-vector product's speed.
 //   normed_rows(h float32 [1, K], norm_weight [K], eps, weights [N_i, K]...) -> (normed [1, K],
@@ -67,17 +68,25 @@ inline void dot_rows_quad(const float* w, const float* x, int64_t k, float* out,
     for (int q = 0; q < 4; ++q) out[r * ldo + q] = hsum(a[r][q]);
 }
 
-// Rows at least this long are read four weight rows at a time (measured on this project's CPU, one
-// thread, a [256, 4096] expert: 2 / 3 / 4 rows per expert 0.20 / 0.23 / 0.29 ms against 0.36 /
-// 0.44 / 0.50 ms one weight row at a time, 1 row 0.18-0.19 ms either way; short rows, [8192, 256],
-// ran about twice as slow this way, so they keep one weight row at a time).
+// Rows at least this long are read four weight rows at a time, whatever the number of rows
+// (measured on this project's CPU, one thread, a [256, 4096] weight: 2 / 3 / 4 rows per expert
+// 0.20 / 0.23 / 0.29 ms against 0.36 / 0.44 / 0.50 ms one weight row at a time; one row, 24 such
+// weights cycled so they come from memory, 0.24-0.26 ms against 0.32-0.33 ms; short rows,
+// [8192, 256], ran about twice as slow this way, so they keep one weight row at a time). So a row's
+// arithmetic depends on K only, never on how many rows share its weight.
 constexpr int64_t kQuadK = 1024;
 
+// Up to four rows against one short weight row; three go as two and one (dot_rows<3> ran slower
+// than <2> then <1> re-reading the weight row from L1: 24 [8192, 256] weights cycled, 0.54-0.56
+// against 0.59-0.63 ms). Every row's arithmetic is dot_rows' whatever the split.
 void dot_any(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
   switch (rows) {
     case 1: dot_rows<1>(w, x, k, out, ldo); break;
     case 2: dot_rows<2>(w, x, k, out, ldo); break;
-    case 3: dot_rows<3>(w, x, k, out, ldo); break;
+    case 3:
+      dot_rows<2>(w, x, k, out, ldo);
+      dot_rows<1>(w, x + 2 * k, k, out + 2 * ldo, ldo);
+      break;
     default: dot_rows<4>(w, x, k, out, ldo); break;
   }
 }
@@ -116,7 +125,7 @@ at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
       const float* wg = wp + g * n * k;
       at::parallel_for(0, n, 16, [&](int64_t begin, int64_t stop) {
         int64_t j = begin;
-        if (k >= kQuadK && end - start > 1)
+        if (k >= kQuadK)
           for (; j + 3 < stop; j += 4)
             for (int64_t r = start; r < end; r += 3)
               dot_any_quad(static_cast<int>(std::min<int64_t>(3, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n);
