@@ -1,0 +1,145 @@
+"""Replays a model's own greedy routing through an expert cache of a given size: how many experts
+a decoded token must copy under each eviction rule, when rounds of T tokens are verified at once.
+
+Run: python scripts/cache_replay.py [RECIPE] [--set key=value ...] [--slots 16,32] [--widths 1,2,3,5,9]
+     (default: recipes/specter.yaml with bench-proxy's run settings: model=bundled:tiny-moe-x16,
+     max_prompts=4, max_new_tokens=32; one thread)
+The recipe's ``resident`` engine generates its prompts (``max_prompts``, ``max_new_tokens``)
+greedily while a hook records every MoE layer's chosen experts. Then, per prompt, the decoded
+tokens are cut into rounds of T; a round asks for each layer's experts in layer order (the
+distinct experts its T tokens chose there, all needed at once), from one pool of ``slots`` shared
+by every layer, as Specter's cache is. The pool starts with the prefill's most recently used
+experts. A missing expert is one copy; the figure is copies per decoded token under:
+- ``lru``: evict the least recently used expert (``ondemand``'s rule at T = 1);
+- ``round``: the round's own requests known (a perfect draft): evict the expert needed furthest
+  ahead in the round, least recently used among those the round does not need;
+- ``min``: the whole future known (Belady's MIN): the floor for any rule with this pool.
+On a link where every copy is on the critical path, copies per token times the copy time bounds
+tokens/s from above; these are the bounds the bench-proxy notes in docs/ compare with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+from collections import OrderedDict
+
+import torch
+
+from specter.api import load
+from specter.model.layout import moe_layers
+
+Key = tuple[int, int]  # (MoE layer position, expert)
+Requests = list[set[Key]]  # one set per (round, layer), in the order they are needed
+BENCH_PROXY_RUN = ["model=bundled:tiny-moe-x16", "max_prompts=4", "max_new_tokens=32"]
+
+
+def record_routing(engine) -> list[list[list[torch.Tensor]]]:
+    """Per prompt, per forward pass (prefill first), each MoE layer's top-k index [T, k]."""
+    layers = moe_layers(engine.model)
+    passes: list[list[torch.Tensor]] = []
+
+    def hook(position: int):
+        def record(module, args, kwargs):
+            index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            if position == 0:
+                passes.append([])
+            passes[-1].append(index.detach().clone())
+        return record
+
+    handles = [info.experts.register_forward_pre_hook(hook(i), with_kwargs=True) for i, info in enumerate(layers)]
+    per_prompt = []
+    try:
+        for prompt in engine.recipe.resolved_prompts():
+            passes.clear()
+            engine.generate([prompt])
+            per_prompt.append(list(passes))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return per_prompt
+
+
+def rounds(decode: list[list[torch.Tensor]], width: int) -> Requests:
+    """The decode passes (one token each) cut into rounds of ``width`` tokens: per round and
+    layer, the set of experts its tokens chose."""
+    requests = []
+    for start in range(0, len(decode), width):
+        chunk = decode[start : start + width]
+        for layer in range(len(chunk[0])):
+            requests.append({(layer, int(e)) for step in chunk for e in step[layer].reshape(-1).tolist()})
+    return requests
+
+
+def warm(prefill: list[torch.Tensor], slots: int) -> list[Key]:
+    """The prefill's last ``slots`` distinct experts, least recently used first."""
+    order: OrderedDict[Key, None] = OrderedDict()
+    for layer, index in enumerate(prefill):
+        for expert in index.reshape(-1).tolist():
+            order.pop((layer, int(expert)), None)
+            order[(layer, int(expert))] = None
+    return list(order)[-slots:]
+
+
+def replay(requests: Requests, slots: int, initial: list[Key], rule: str, layers: int) -> int:
+    """Copies made serving ``requests`` from a pool of ``slots`` under ``rule`` (lru, round, min)."""
+    uses: dict[Key, list[int]] = {}
+    for group, needed in enumerate(requests):
+        for key in needed:
+            uses.setdefault(key, []).append(group)
+    cache: OrderedDict[Key, None] = OrderedDict((key, None) for key in initial)  # LRU first
+    copies = 0
+    for group, needed in enumerate(requests):
+        round_end = (group // layers + 1) * layers  # the first group of the next round
+        horizon = round_end if rule == "round" else len(requests)
+        for key in sorted(needed):
+            if key in cache:
+                cache.move_to_end(key)
+                continue
+            copies += 1
+            if len(cache) >= slots:
+                candidates = [k for k in cache if k not in needed]
+
+                def next_use(candidate: Key) -> int:  # the next group needing it, capped at the horizon
+                    times = uses.get(candidate, [])
+                    after = bisect.bisect_right(times, group)
+                    return min(times[after], horizon) if after < len(times) else horizon
+
+                if rule == "lru":
+                    victim = candidates[0]
+                else:  # the furthest next use; the least recently used among equals (max keeps the first)
+                    victim = max(candidates, key=next_use)
+                del cache[victim]
+            cache[key] = None
+    return copies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", nargs="?", default="recipes/specter.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=None)
+    parser.add_argument("--slots", default="16,32", help="pool sizes (comma-separated)")
+    parser.add_argument("--widths", default="1,2,3,5,9", help="tokens verified per round (comma-separated)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    overrides = args.overrides if args.overrides is not None else BENCH_PROXY_RUN
+    engine = load(args.recipe, [*overrides, "engine=resident", "check_lossless=false"])
+    routing = record_routing(engine)
+    layers = len(routing[0][0])
+    experts = layers * moe_layers(engine.model)[0].num_experts
+    tokens = sum(len(passes) - 1 for passes in routing)
+    print(f"{engine.recipe.model}: {len(routing)} prompts, {tokens} decoded tokens, {layers} MoE layers, "
+          f"{experts} experts; copies per decoded token (lru / round / min)")
+    for slots in (int(s) for s in args.slots.split(",")):
+        for width in (int(w) for w in args.widths.split(",")):
+            totals = {"lru": 0, "round": 0, "min": 0}
+            for passes in routing:
+                requests = rounds(passes[1:], width)
+                for rule in totals:
+                    totals[rule] += replay(requests, slots, warm(passes[0], slots), rule, layers)
+            print(f"slots {slots:3d} ({slots / experts:.0%})  T = {width:2d}:  "
+                  + "  ".join(f"{rule} {count / tokens:.2f}" for rule, count in totals.items()))
+
+
+if __name__ == "__main__":
+    main()
