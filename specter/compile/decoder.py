@@ -202,17 +202,15 @@ class CompiledDecoder:
                 f"compile: the sequence reaches {start + num_tokens} tokens but the static KV cache holds "
                 f"{self.max_len} (the model's max_position_embeddings, at most {DEFAULT_MAX_LEN})"
             )
-        positions = torch.arange(start, start + num_tokens, device=self.device)  # [T]
-        kv_index = self._span(start + num_tokens)
         graphs = counters["stats"]["unique_graphs"]
         if self.runtime is not None and self.runtime.mode == "draft":
             if num_tokens != 1:
                 raise SpecterError("compile: the draft runs one token per step")
-            logits = self._run_draft(tokens, positions, kv_index, kv)
-        elif self.layered or num_tokens > self.fused_max_tokens or (start == 0 and self.source == "cache"):
-            logits = self._run_layered(tokens, positions, kv_index, kv)  # a cache's prefill streams experts
+            logits = self._run_draft(tokens, start, kv)
         else:
-            logits = self._run_target(tokens, positions, kv_index, kv)
+            args = (tokens, torch.arange(start, start + num_tokens, device=self.device), self._span(start + num_tokens), kv)
+            layered = self.layered or num_tokens > self.fused_max_tokens or (start == 0 and self.source == "cache")
+            logits = self._run_layered(*args) if layered else self._run_target(*args)  # a cache's prefill streams
         self.stats.late_graphs += counters["stats"]["unique_graphs"] - graphs
         kv.length = start + num_tokens
         return logits
@@ -262,20 +260,23 @@ class CompiledDecoder:
             torch._dynamo.mark_dynamic(positions, 0)
         return step(tokens, positions, kv_index, kv.keys, kv.values)
 
-    def _run_draft(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
+    def _run_draft(self, tokens: Tensor, start: int, kv: StaticKV) -> Tensor:
         if self._draft_experts is None:
             raise SpecterError("compile: draft mode without draft experts (CompiledDecoder.set_draft)")
         self.stats.draft_steps += 1
 
+        def graph_inputs() -> tuple[Tensor, Tensor, Tensor]:  # the lean step needs none of these
+            return tokens, torch.arange(start, start + 1, device=self.device), self._span(start + 1)
+
         def fused() -> Tensor:
-            out = self._call_fused(self._draft_step, tokens, positions, kv_index, kv)
+            out = self._call_fused(self._draft_step, *graph_inputs(), kv)
             self._replay(out, "draft")
             return out.logits
 
         def layered() -> Tensor:  # the lean step, else compiled attention with the INT4 experts eagerly
             if self.lean_step is not None:
                 return self.lean_step.step(int(tokens[0]), kv)[None]
-            return self._layered_logits(tokens, positions, kv_index, kv, host=self.host_experts)
+            return self._layered_logits(*graph_inputs(), kv, host=self.host_experts)
 
         held = self.chooser.held(DRAFT_KEY)  # a round's path, judged by the engine (begin_draft_round)
         if held is not None:

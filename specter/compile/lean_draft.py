@@ -147,9 +147,9 @@ class LeanDraftStep:
         for layer, w in enumerate(self.weights):
             q, k, v = self._queries_keys_values(w, h, cos, sin)
             if static:  # the compiled decoder's buffers [1, nKV, max_len, d]: write in place
-                kv.keys[layer][0, :, position] = k[0]
-                kv.values[layer][0, :, position] = v[0]
-                keys, values = kv.keys[layer][:, :, : position + 1], kv.values[layer][:, :, : position + 1]
+                kv.keys[layer].select(2, position).copy_(k)  # one view op each (indexing took four)
+                kv.values[layer].select(2, position).copy_(v)
+                keys, values = kv.keys[layer].narrow(2, 0, position + 1), kv.values[layer].narrow(2, 0, position + 1)
             else:
                 keys, values = kv.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # [1, nKV, L, d]
             attended = F.scaled_dot_product_attention(
