@@ -66,7 +66,8 @@ from torch._dynamo.utils import counters
 
 from specter.compile.host_layer import LayerHost
 from specter.compile.decoder_math import (
-    arch_of, attention_and_route, layer_weights_of, linear, rms_norm, rope_tables, unsupported_reason,
+    FUSED_MAX_TOKENS, arch_of, attention_and_route, layer_weights_of, linear, rms_norm, rope_tables,
+    unsupported_reason,
 )
 from specter.errors import SpecterError
 from specter.compile.parts import (
@@ -87,7 +88,7 @@ class CompiledDecoder:
         layered: bool = False,
         max_len: int | None = None,
         span_step: int | None = None,
-        fused_max_tokens: int = 17,
+        fused_max_tokens: int = FUSED_MAX_TOKENS,
         cuda_graphs: bool | None = None,
         cpp_wrapper: bool = False,
     ) -> None:
@@ -370,7 +371,8 @@ class CompiledDecoder:
         return h, cos, sin
 
     def _head_graph(self, h: Tensor) -> Tensor:
-        return linear(rms_norm(h, self.final_norm, self.arch.eps), self.lm_head, self.lm_head_bias).float()  # [T, V]
+        normed = rms_norm(h, self.final_norm, self.arch.eps)
+        return linear(normed, self.lm_head, self.lm_head_bias, self.arch.row_kernel).float()  # [T, V]
 
     def _fused(self, experts, tokens: Tensor, positions: Tensor, kv_index: Tensor,
                keys: list[Tensor], values: list[Tensor]) -> StepOutput:

@@ -12,11 +12,14 @@ layer up to its experts. Shapes are given as ``# [T, H]`` comments (T tokens of 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from specter.kernels import native_rows
+
+FUSED_MAX_TOKENS = 17  # the widest fused step (k_max 16 drafts + 1); the native row kernel's widest input
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe")
 
@@ -33,6 +36,7 @@ class Arch:
     top_k: int
     renormalize: bool  # top-k weights divided by their sum
     float_scores: bool  # Mixtral keeps router weights in float32; Qwen3-MoE casts to the logits' dtype
+    row_kernel: bool = False  # the native row kernel serves the dense projections (``linear``)
 
 
 @dataclasses.dataclass
@@ -86,6 +90,10 @@ def arch_of(model: nn.Module) -> Arch:
         top_k=router.top_k,
         renormalize=bool(getattr(router, "norm_topk_prob", True)),
         float_scores=config.model_type == "mixtral",
+        row_kernel=native_rows.serves(model.model.embed_tokens.weight, model.lm_head.weight, *(
+            t for layer in model.model.layers for t in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                                         layer.self_attn.v_proj.weight, layer.self_attn.o_proj.weight,
+                                                         layer.mlp.gate.weight))),
     )
 
 
@@ -108,16 +116,25 @@ def layer_weights_of(layer: nn.Module) -> LayerWeights:
 
 # ----- the model's math: plain functions, traced by dynamo ---------------------------------------
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear`` on ``x [T, K]``; a single row on CPU is written as multiply-and-sum, which
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, row_kernel: bool = False) -> Tensor:
+    """``F.linear`` on ``x [T, K]``. On a CPU a single row is written as multiply-and-sum, which
     inductor turns into a GEMV loop fused with its neighbours: 1.8x faster than the BLAS call
     inside a compiled graph (one thread; the 256-wide projections and the 4096x256 LM head).
-    For T > 1 the same form measured faster in isolation up to T = 9 but slower inside the full
-    step (inductor fused it into large kernels), so T > 1 keeps BLAS."""
-    if x.shape[0] == 1 and x.device.type == "cpu":
+    2 <= T <= ``FUSED_MAX_TOKENS`` rows (verification, short prefills) go through Specter's
+    native row kernel where it serves (``row_kernel``, decided outside the graph: ``Arch``; an
+    extern op reading each weight row once for all rows):
+    BLAS's small-M GEMM ran 2.6-3.3x slower (one thread, weights cycled from memory: [256, 256]
+    at 5 rows 68 against 26 us, the [4096, 256] LM head 896 against 338 us; ``/tmp`` script,
+    2026-12-03); the same multiply-and-sum form for T > 1 measured slower inside the full step
+    (inductor fused it into large kernels). Longer inputs keep BLAS."""
+    if x.device.type == "cpu" and x.shape[0] == 1:
         y = (x[:, None, :] * weight[None]).sum(-1)  # [1, N]
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    elif row_kernel and x.shape[0] <= FUSED_MAX_TOKENS:
+        ends = torch.full((1,), x.shape[0], dtype=torch.long, device=x.device)  # one group: every row
+        y = native_rows.grouped_rows(x, weight.unsqueeze(0), ends)  # [T, N]
+    else:
+        return F.linear(x, weight, bias)
+    return y if bias is None else y + bias
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -141,7 +158,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def route(arch: Arch, router: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-    return select_experts(arch, linear(x, router))
+    return select_experts(arch, linear(x, router, row_kernel=arch.row_kernel))
 
 
 def select_experts(arch: Arch, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -156,15 +173,14 @@ def select_experts(arch: Arch, logits: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def queries_keys_values(
-    arch: Arch, w: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor, project: Callable = linear,
+    arch: Arch, w: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A layer's normed input ``x [T, H]`` -> q [T, nH, d], k and v [T, nKV, d], q and k
-    per-head normed (where the model has it) and rotated. ``project``: the matmul (``linear``
-    in compiled graphs, ``F.linear`` eagerly)."""
+    per-head normed (where the model has it) and rotated."""
     num_tokens = x.shape[0]
-    q = project(x, w.q, w.q_bias).view(num_tokens, arch.n_heads, arch.head_dim)
-    k = project(x, w.k, w.k_bias).view(num_tokens, arch.n_kv_heads, arch.head_dim)
-    v = project(x, w.v, w.v_bias).view(num_tokens, arch.n_kv_heads, arch.head_dim)
+    q = linear(x, w.q, w.q_bias, arch.row_kernel).view(num_tokens, arch.n_heads, arch.head_dim)
+    k = linear(x, w.k, w.k_bias, arch.row_kernel).view(num_tokens, arch.n_kv_heads, arch.head_dim)
+    v = linear(x, w.v, w.v_bias, arch.row_kernel).view(num_tokens, arch.n_kv_heads, arch.head_dim)
     if w.q_norm is not None:
         q = rms_norm(q, w.q_norm, arch.eps)
         k = rms_norm(k, w.k_norm, arch.eps)
@@ -189,7 +205,7 @@ def attention_and_route(
         q.transpose(0, 1)[None], keys[:, :, :span], values[:, :, :span], attn_mask=mask[None, None],
         scale=arch.scaling, enable_gqa=arch.n_heads != arch.n_kv_heads,
     )  # [1, nH, T, d]
-    h = h + linear(attended[0].transpose(0, 1).reshape(num_tokens, -1), w.o, w.o_bias)  # [T, H]
+    h = h + linear(attended[0].transpose(0, 1).reshape(num_tokens, -1), w.o, w.o_bias, arch.row_kernel)  # [T, H]
     x = rms_norm(h, w.post_norm, arch.eps)  # [T, H]
     top_k_weights, top_k_index = route(arch, w.router, x)
     return h, x, top_k_weights, top_k_index
