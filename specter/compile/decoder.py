@@ -92,8 +92,7 @@ class CompiledDecoder:
         cuda_graphs: bool | None = None,
         cpp_wrapper: bool = False,
     ) -> None:
-        reason = unsupported_reason(model)
-        if reason is not None:
+        if (reason := unsupported_reason(model)) is not None:
             raise SpecterError(f"compile: true cannot compile this model: {reason}; set compile: false")
         if experts not in ("resident", "cache") or (experts == "cache" and runtime is None):
             raise ValueError(f"experts must be 'resident', or 'cache' with the engine's ExpertRuntime; got {experts!r}")
@@ -105,12 +104,10 @@ class CompiledDecoder:
         self.cache = runtime.cache if experts == "cache" else None
         self.fused_max_tokens = fused_max_tokens
         self.stats = CompileStats()
-        self.device = decoder.embed_tokens.weight.device
-        self.dtype = decoder.embed_tokens.weight.dtype
+        self.device, self.dtype = decoder.embed_tokens.weight.device, decoder.embed_tokens.weight.dtype
         self.embed = decoder.embed_tokens.weight  # [V, H]
         self.final_norm = decoder.norm.weight
-        self.lm_head = model.lm_head.weight  # [V, H]
-        self.lm_head_bias = model.lm_head.bias
+        self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias  # [V, H], [V] or None
         self.inv_freq = decoder.rotary_emb.inv_freq
         self.layers = [layer_weights_of(layer) for layer in decoder.layers]
         self.expert_modules = [layer.mlp.experts for layer in decoder.layers]
@@ -209,7 +206,8 @@ class CompiledDecoder:
                 raise SpecterError("compile: the draft runs one token per step")
             logits = self._run_draft(tokens, start, kv)
         else:
-            args = (tokens, torch.arange(start, start + num_tokens, device=self.device), self._span(start + num_tokens), kv)
+            positions = torch.arange(start, start + num_tokens, device=self.device)  # [T]
+            args = (tokens, positions, self._span(start + num_tokens), kv)
             layered = self.layered or num_tokens > self.fused_max_tokens or (start == 0 and self.source == "cache")
             logits = self._run_layered(*args) if layered else self._run_target(*args)  # a cache's prefill streams
         self.stats.late_graphs += counters["stats"]["unique_graphs"] - graphs
