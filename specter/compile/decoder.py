@@ -283,14 +283,12 @@ class CompiledDecoder:
         return self._run_chosen(DRAFT_KEY, fused, layered)
 
     def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor]) -> Tensor:
-        """Run the path the chooser picks for ``key`` and tell it how long the step took."""
-        path = self.chooser.choose(key)
-        started = time.perf_counter()
-        logits = layered() if path == "layered" else fused()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.chooser.observe(key, path, time.perf_counter() - started)
-        return logits
+        """The chooser's path for ``key``, timed. With host layers both paths wait for the copies
+        of the experts they read, in layer order, so the wait is no part of either path's cost;
+        under CUDA graphs a fused step drains every copy in flight first, and its wait is its own."""
+        waited = (lambda: self.cache.stats.transfer_wait_s) if self.host_layers else (lambda: 0.0)
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        return self.chooser.run(key, fused, layered, waited, sync)
 
     def _run_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is None:

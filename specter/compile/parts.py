@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
+import time
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -103,7 +105,9 @@ class PathChooser:
     ``begin_round(key)`` instead holds one choice for every step of ``key``
     until ``end_round(key, seconds_per_step)``, which judges it by a cost the caller measured over
     the round (the speculative engine's draft steps: their time plus the transfer wait they left
-    to verification, as a fused draft step hands its predictions to the scheduler only at its end)."""
+    to verification, as a fused draft step hands its predictions to the scheduler only at its end).
+    ``run(key, fused, layered, waited_s)`` chooses, runs and observes a step, its time less the
+    transfer wait it added to ``waited_s()``."""
 
     TRIALS, RECHECK, WINDOW = 3, 16, 5
 
@@ -149,6 +153,19 @@ class PathChooser:
         recent = self._recent.setdefault(key, collections.deque(maxlen=self.WINDOW))
         recent.append(seconds)
         self.seconds[key] = statistics.median(recent)
+
+    def run(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor],
+            waited_s: Callable[[], float] = lambda: 0.0, synchronize: Callable[[], None] = lambda: None) -> Tensor:
+        """Run the path ``choose(key)`` picks and ``observe`` its time less the transfer wait the
+        step added to ``waited_s()`` (a caller whose paths wait for the same copies says so: the wait
+        then tells which experts were missing, not which path is faster; on a 2 GB/s link it
+        swamped the difference and the choice followed the misses)."""
+        path = self.choose(key)
+        waited, started = waited_s(), time.perf_counter()
+        result = layered() if path == "layered" else fused()
+        synchronize()
+        self.observe(key, path, time.perf_counter() - started - max(0.0, waited_s() - waited))
+        return result
 
     def as_dict(self) -> dict:
         return {f"{width}:{path}": {"steps": self.counts[(width, path)], "mean_s": seconds}

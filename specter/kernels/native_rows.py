@@ -6,9 +6,11 @@ Contract:
   Specter's native kernels available (``specter.native``; built on first call).
 - ``grouped_rows(x [P, K], w [S, N, K], ends [S] int64) -> [P, N]``: rows ``ends[s-1] ..
   ends[s]`` of ``x`` times ``w[s]^T`` (``ends`` non-decreasing, ending at P; empty groups cost
-  nothing). Each weight row is read once for all the rows of its group, with two float32 FMA
-  accumulators per row (a different summation order from BLAS: equal to rounding, not bit for
-  bit). ``torch.ops.specter_native.grouped_rows``, with a fake implementation for compiled graphs.
+  nothing). Each weight row is read once for all the rows of its group, float32 FMA accumulators
+  per row (a different summation order from BLAS: equal to rounding, not bit for bit); a row's
+  result does not depend on how many rows its group has (one token verified with others gets the
+  bits it would get alone). ``torch.ops.specter_native.grouped_rows``, with a fake implementation
+  for compiled graphs.
 - ``normed_rows(h [1, K], norm_weight [K], eps, weights) -> (normed [1, K], [1, sum N_i])``: an
   RMS norm of one row (float32, ``normed = h * rsqrt(mean(h^2) + eps) * norm_weight``; the sum of
   squares in a different order from PyTorch's), then each [N_i, K] weight on it, outputs side by

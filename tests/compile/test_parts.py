@@ -3,6 +3,8 @@ the caller measures over the round (the speculative engine's draft steps)."""
 
 from __future__ import annotations
 
+import time
+
 from specter.compile.parts import PathChooser
 
 
@@ -67,3 +69,27 @@ def test_one_slow_early_step_does_not_hide_the_faster_path():
         chooser.observe(5, path, next(fused_times) if path == "fused" else 0.010)
         chosen.append(path)
     assert chosen[2 * PathChooser.TRIALS:] == ["fused"] * 5
+
+
+def test_run_judges_a_path_by_its_time_less_the_transfer_wait_it_added():
+    # the fused path waits 30 ms for a copy (both paths would: the copy is the step's, not the
+    # path's) and computes nothing; the layered path computes for 20 ms: fused is the faster path
+    chooser = PathChooser()
+    waited = [0.0]
+
+    def fused():
+        time.sleep(0.03)
+        waited[0] += 0.03
+        return "fused"
+
+    def layered():
+        time.sleep(0.02)
+        return "layered"
+
+    ran = [chooser.run(5, fused, layered, lambda: waited[0]) for _ in range(2 * PathChooser.TRIALS + 2)]
+    assert ran[-2:] == ["fused", "fused"]
+    assert chooser.seconds[(5, "fused")] < 0.01 < chooser.seconds[(5, "layered")]
+    # without the wait it says, the chooser takes the path that computed less wall time
+    plain = PathChooser()
+    ran = [plain.run(5, fused, layered) for _ in range(2 * PathChooser.TRIALS + 2)]
+    assert ran[-2:] == ["layered", "layered"]

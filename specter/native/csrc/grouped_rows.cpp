@@ -4,10 +4,10 @@
 //   rows ends[s-1] .. ends[s] (ends[-1] = 0) are multiplied by w[s]^T; empty groups are skipped.
 // Every weight row w[s, n] is read from memory once for all the rows of its group (up to four
 // rows share the accumulators, a fifth re-reads it from L1; long rows go four weight rows at a
-// time, sharing each load of x), so a group of 2-8 rows costs less than twice one row's time. A
-// row's result depends on K and its own values only, not on how many rows its group has:
+// time, sharing each load of x), so a group of 2-8 rows costs less than twice one row's time:
 // the memory-bound regime of decode and verification, where BLAS's small-M GEMM packs the weight
-// first and runs at half a matrix-vector product's speed.
+// first and runs at half a matrix-vector product's speed. A row's result depends on its values,
+// the weight and K only, never on how many rows its group has.
 //   normed_rows(h float32 [1, K], norm_weight [K], eps, weights [N_i, K]...) -> (normed [1, K],
 //   [1, sum N_i]): an RMS norm, then every weight on the normed row, outputs side by side.
 #include <ATen/core/Tensor.h>
