@@ -134,9 +134,9 @@ def main() -> None:
         for width in (int(w) for w in args.widths.split(",")):
             totals = {"lru": 0, "round": 0, "min": 0}
             for passes in routing:
-                requests = rounds(passes[1:], width)
+                requests, initial = rounds(passes[1:], width), warm(passes[0], slots)
                 for rule in totals:
-                    totals[rule] += replay(requests, slots, warm(passes[0], slots), rule, layers)
+                    totals[rule] += replay(requests, slots, initial, rule, layers)
             print(f"slots {slots:3d} ({slots / experts:.0%})  T = {width:2d}:  "
                   + "  ".join(f"{rule} {count / tokens:.2f}" for rule, count in totals.items()))
 

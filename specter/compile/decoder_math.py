@@ -36,7 +36,7 @@ class Arch:
     top_k: int
     renormalize: bool  # top-k weights divided by their sum
     float_scores: bool  # Mixtral keeps router weights in float32; Qwen3-MoE casts to the logits' dtype
-    row_kernel: bool = False  # the native row kernel serves the dense projections (``linear``)
+    row_kernel: bool = False  # the native row kernels serve the dense projections and norms (``linear``)
 
 
 @dataclasses.dataclass
@@ -90,11 +90,16 @@ def arch_of(model: nn.Module) -> Arch:
         top_k=router.top_k,
         renormalize=bool(getattr(router, "norm_topk_prob", True)),
         float_scores=config.model_type == "mixtral",
-        row_kernel=native_rows.serves(model.model.embed_tokens.weight, model.lm_head.weight, *(
-            t for layer in model.model.layers for t in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                                                         layer.self_attn.v_proj.weight, layer.self_attn.o_proj.weight,
-                                                         layer.mlp.gate.weight))),
+        row_kernel=_row_kernel_serves(model),
     )
+
+
+def _row_kernel_serves(model: nn.Module) -> bool:
+    """Whether the native row kernels serve every dense projection and norm weight of the model
+    (``native_rows.serves``): the compiled graphs' ``linear`` and the lean draft step read this."""
+    weights = [layer_weights_of(layer) for layer in model.model.layers]
+    dense = [t for w in weights for t in (w.q, w.k, w.v, w.o, w.router, w.input_norm, w.post_norm)]
+    return native_rows.serves(model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight, *dense)
 
 
 def layer_weights_of(layer: nn.Module) -> LayerWeights:

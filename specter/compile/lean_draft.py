@@ -74,9 +74,7 @@ class LeanDraftStep:
         self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias  # [V, H]
         self.inv_freq = decoder.rotary_emb.inv_freq
         self._cos = self._sin = self.embed.new_empty(0)  # rope tables [positions, 1, head_dim], grown on demand
-        projections = [t for w in self.weights for t in (w.q, w.k, w.v, w.o, w.router)] + [self.lm_head]
-        norms = [t for w in self.weights for t in (w.input_norm, w.post_norm)] + [self.final_norm]
-        self.native_rows = native_rows.serves(self.embed, *projections, *norms)
+        self.native_rows = self.arch.row_kernel  # the native row kernels serve every projection and norm
         self._one_row = torch.ones(1, dtype=torch.long)  # the row groups' ends: one group of one row
 
     def project(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
