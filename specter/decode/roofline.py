@@ -14,7 +14,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   they are on this machine. Drafted widths follow ``VerifyCost`` (``specter.decode.roofline_cost``):
   one non-negative fit, through the recent drafted rounds, of the experts read, the tokens and
   the experts streamed past the cache's slots (a round's time depends on the width before it,
-  so one width's average reads wrong); rounds since conditions last changed (``CHANGE_FACTOR``)
+  so one width's average reads wrong; a transition, the first round at a new k, which finds the
+  cache holding what the previous k needed, counts ``TRANSITION_WEIGHT`` of a steady round: on
+  the 2 GB/s link at 50% a k = 2 round right after k = 1 ones took 97-113 ms, the next one 45-100); rounds since conditions last changed (``CHANGE_FACTOR``)
   count alone once they span three widths (until then they scale the fit through the rounds
   before); the curve is non-decreasing in T. A plain round (T = 1) keeps its own moving average
   (moved further by a sample more than ``CHANGE_FACTOR`` off or after a long gap). The
@@ -45,13 +47,19 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   within a few probes), or a round whose time was more than ``TIME_SURPRISE`` off its prediction
   and more than ``SPREAD_MULT`` times the usual miss (a moving average of ``|log(measured /
   predicted)|`` over chosen rounds: where rounds scatter, as on a slow link, a round as far off
-  as they usually are is noise, not news). Such a round more than ``CHANGE_FACTOR`` times off
-  marks a change of conditions (see ``V(T)``) and tries both neighbours of its k next. The
-  first rounds visit k0, 0, 1 and 2 to calibrate, and so do the first rounds after
-  ``link_changed()`` (the engine moved to another link), which also marks a change. A plain
-  round right after a drafted one finds the draft's prefetches in the cache and would make k = 0
-  look cheap: once the plain round has an average measured since the last change such a round
-  is not measured, and k = 0 is visited (calibrated or probed) for two rounds in a row.
+  as they usually are is noise, not news), the round before it having had the same k (the first
+  round at a new k pays for the cache contents the old k left, a cost the next round at that k
+  does not have: on the 2 GB/s link at 50% such rounds ran up to 2x their prediction and were
+  taken for a change of conditions, sending the governor to calibrate again). Such a round more
+  than ``CHANGE_FACTOR`` times off, at a width measured in a steady round (at the k of the round
+  before it) in the last ``STALE_HALF_LIFE`` rounds (far off an extrapolation, or off a fit that
+  holds a transition's time, says the fit was wrong, not that the machine changed), marks a
+  change of conditions (see ``V(T)``) and tries both neighbours of its k next. The first rounds
+  visit k0, then 0, 1 and 2 twice each (the second round at each k a steady one) to calibrate, and so do the first rounds after ``link_changed()`` (the engine moved to another link), which also marks a
+  change. A plain round right after a drafted one finds the draft's prefetches in the cache and
+  would make k = 0 look cheap: once the plain round has an average measured since the last
+  change such a round is not measured, and k = 0 is visited (calibrated or probed) for two
+  rounds in a row.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored. A round
   whose ``path_trial`` is set (a compiled engine tried a path it had measured slower) counts for
@@ -86,6 +94,7 @@ SPREAD_MULT = 3.0  # a round no further off than this many times the typical mis
 HOLD_MARGIN = 0.06  # another k must be predicted this much faster (relative) to replace the current choice
 SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
 FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured
+TRANSITION_WEIGHT = 0.25  # how much the verify cost counts a round right after one at another k
 
 
 def changed(sample: float, reference: float) -> bool:
@@ -96,8 +105,9 @@ def changed(sample: float, reference: float) -> bool:
 def calibration_rounds(k0: int, k_max: int) -> list[int]:
     """The k of the first rounds (and of those after ``link_changed()``): k0, then a plain round
     twice (the first, right after a drafted round, finds the draft's prefetches in the cache and
-    is not measured), then 1 and 2."""
-    return [k0, *([0, 0] if k0 else [0]), *(c for c in (1, min(2, k_max)) if c != k0)]
+    is not measured), then 1 twice and 2 twice (the first round at a new k is a transition, which
+    the verify cost counts at ``TRANSITION_WEIGHT``)."""
+    return [k0, *([0, 0] if k0 else [0]), *(c for c in dict.fromkeys((1, min(2, k_max))) if c != k0 for _ in (0, 1))]
 
 
 class RooflineGovernor(Governor):
@@ -120,6 +130,7 @@ class RooflineGovernor(Governor):
         self.spread = Ema(ema)  # typical |log(measured / predicted)| of a round: the noise here
         self.plain = Ema(ema)  # flush + verify seconds of a plain round (T = 1)
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
+        self._steady_round: dict[int, int] = {}  # ... in a round at the same k as the round before
         self.cost = VerifyCost(n_experts, top_k, k_max, cache_slots_per_layer)  # drafted widths' verify seconds
         self._changed_at = -1  # the round whose time showed that conditions changed
         self._previous_drafted = 0  # tokens the last observed round drafted
@@ -282,11 +293,16 @@ class RooflineGovernor(Governor):
                 self.extra_steps = max(0, steps - drafted)
         after_draft, self._previous_drafted = self._previous_drafted, drafted
         warm_plain = drafted == 0 and after_draft and self.verify_round.get(1, -1) >= max(self._changed_at, 0)
+        # whether the prediction for this width stands on its own recent steady rounds (a round
+        # at the k of the round before it), not on an extrapolation or a transition's time
+        transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
+        last = self._steady_round.get(drafted + 1, -math.inf)
+        known = last >= self._changed_at and self.rounds - last <= STALE_HALF_LIFE
         first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
         if "verify_s" in timings and not warm_plain and not trial and not first:
             width, sample = drafted + 1, timings["verify_s"] + timings.get("flush_s", 0.0)
             if width > 1:
-                self.cost.add(width, sample, self.rounds)
+                self.cost.add(width, sample, self.rounds, TRANSITION_WEIGHT if transition else 1.0)
             else:
                 age = self.rounds - self.verify_round.get(1, self.rounds)
                 step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
@@ -296,6 +312,8 @@ class RooflineGovernor(Governor):
                     step = 1.0  # its first sample since conditions changed: the old average is of other conditions
                 self.plain.update(sample, step)
             self.verify_round[width] = self.rounds
+            if not transition:
+                self._steady_round[width] = self.rounds
         if "host_s" in timings:
             self.host.update(max(0.0, timings["host_s"]))
         if self.history and "round_s" in timings:
@@ -306,17 +324,19 @@ class RooflineGovernor(Governor):
             if entry["k"] != drafted:  # the engine shortened the round (end of generation)
                 entry["cut"] = True
             elif predicted and not entry["probe"] and not trial:
-                self._follow_up_surprise(timings["round_s"], predicted, drafted)
+                self._follow_up_surprise(timings["round_s"], predicted, drafted, known)
 
-    def _follow_up_surprise(self, measured: float, predicted: float, drafted: int) -> None:
+    def _follow_up_surprise(self, measured: float, predicted: float, drafted: int, known: bool) -> None:
         miss = abs(math.log(measured / predicted))
         typical = self.spread.value
         self.spread.update(miss)
+        if len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]:
+            return  # the first round at a new k pays for the cache contents the old k left: a transition, not news
         if typical is not None and miss <= SPREAD_MULT * typical:
             return  # as far off as rounds usually are here: noise, not news
         if abs(measured - predicted) > TIME_SURPRISE * predicted:  # the estimates are off: look around soon
             self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
-        if changed(measured, predicted):
+        if changed(measured, predicted) and known:  # far off an extrapolation: the fit was wrong, not the machine
             self._changed_at = self.rounds
             # the machine or the link changed under the estimates: the first new sample of every
             # other width replaces most of its average, and both neighbours are tried next

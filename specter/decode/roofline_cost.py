@@ -1,13 +1,15 @@
 """The roofline governor's verification cost model (``specter.decode.roofline``): what a width-T
 pass of drafted tokens costs on this machine, learned from the rounds it has seen.
 
-Contract: ``add(width, seconds, round)`` records a drafted round's flush + verify seconds;
+Contract: ``add(width, seconds, round, weight=1)`` records a drafted round's flush + verify
+seconds (``weight``: how much it counts, e.g. less for a transition, a round right after one at
+another width);
 ``curve(now, changed_at)`` gives the predicted seconds by width (index T, 2..k_max + 1; None
 before any round). The cost is one fit through the last ``MAX_SAMPLES`` rounds: ``a + b *
 distinct(T) + c * T + d * max(0, distinct(T) - cache_slots_per_layer)``, coefficients ``>= 0``
 (``fit_nonnegative``; ``distinct_experts``: T tokens of top-k routing over E experts): the
 experts read, the tokens computed, the experts a layer reads beyond the cache's slots (they
-stream). A round weighs ``0.5 ** (age / STALE_HALF_LIFE)``. Rounds from ``changed_at`` on
+stream). A round weighs its ``weight`` times ``0.5 ** (age / STALE_HALF_LIFE)``. Rounds from ``changed_at`` on
 (conditions changed) are fitted alone once they span ``OWN_FIT_WIDTHS`` widths; before that,
 the fit through the rounds before them is scaled to them (a line through one or two widths
 would put every other width on it, however far). Each measured width adds its mean residual
@@ -40,13 +42,13 @@ class VerifyCost:
     def __init__(self, n_experts: int, top_k: int, k_max: int, cache_slots_per_layer: float | None) -> None:
         self.n_experts, self.top_k, self.k_max = n_experts, top_k, k_max
         self.cache_slots_per_layer = cache_slots_per_layer
-        self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round)
+        self.samples: deque[tuple[int, float, int, float]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round, weight)
         self._terms = [self.terms(t) for t in range(k_max + 2)]  # by width: fixed for this cache and model
         self._key: tuple | None = None
         self._curve: list[float] | None = None
 
-    def add(self, width: int, seconds: float, round_index: int) -> None:
-        self.samples.append((width, seconds, round_index))
+    def add(self, width: int, seconds: float, round_index: int, weight: float = 1.0) -> None:
+        self.samples.append((width, seconds, round_index, weight))
 
     def terms(self, width: int) -> list[float]:
         """The terms a width-T round's verify cost is a non-negative sum of."""
@@ -67,13 +69,13 @@ class VerifyCost:
             else:
                 before = [sample for sample in self.samples if sample[2] < changed_at]
                 curve = self._through(before or self.samples, now)
-                predicted = sum(curve[t] for t, *_ in since) if curve and since else 0.0
+                predicted = sum(w * curve[t] for t, _, _, w in since) if curve and since else 0.0
                 if predicted > 0:
-                    scale = sum(v for _, v, *_ in since) / predicted
+                    scale = sum(w * v for _, v, _, w in since) / predicted
                     curve = [c * scale for c in curve]
             self._key, self._curve = key, curve
         return self._curve
 
     def _through(self, samples, now: int) -> list[float] | None:
-        weighted = [(t, v, 0.5 ** ((now - r) / STALE_HALF_LIFE)) for t, v, r in samples]
+        weighted = [(t, v, w * 0.5 ** ((now - r) / STALE_HALF_LIFE)) for t, v, r, w in samples]
         return cost_curve(weighted, self._terms, RESIDUAL_PRIOR)

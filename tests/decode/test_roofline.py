@@ -274,7 +274,7 @@ def test_after_the_engine_reports_a_new_link_every_width_follows_the_new_costs()
     machine.io = 5e-4  # the engine moved to a 40x faster link and says so
     governor.link_changed()
     chosen = drive(governor, machine, 40)
-    assert chosen[:5] == [4, 0, 0, 1, 2]  # calibrates again
+    assert chosen[:7] == [4, 0, 0, 1, 1, 2, 2]  # calibrates again
     for k in range(governor.k_max + 1):
         true_round = machine.round(k)[1]["round_s"]
         assert abs(governor.round_s(k) - true_round) < 0.3 * true_round, k
@@ -342,6 +342,30 @@ def test_a_round_off_its_prediction_by_the_usual_spread_is_noise_not_a_reason_to
     assert (governor._next_probe <= governor.rounds + 2) == looks_around
 
 
+class SwitchingMachine(Machine):
+    """The first round at a new k pays for the cache contents the old k left: its verification
+    takes ``penalty`` times as long (the widened model at 50% on 2 GB/s: up to 2x)."""
+
+    def __init__(self, *args, penalty: float = 2.5, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.penalty, self.previous_k = penalty, None
+
+    def round(self, k: int) -> tuple[int, dict]:
+        accepted, timings = super().round(k)
+        if self.previous_k is not None and k != self.previous_k:
+            extra = timings["verify_s"] * (self.penalty - 1)
+            timings["verify_s"] += extra
+            timings["round_s"] += extra
+        self.previous_k = k
+        return accepted, timings
+
+
+def test_the_first_round_at_a_new_k_is_a_transition_not_a_change_of_conditions():
+    governor = RooflineGovernor(k=4, k_max=8)
+    drive(governor, SwitchingMachine(0.9, 2e-3), 150)
+    assert governor._changed_at == -1  # never recalibrated: the machine's conditions never changed
+
+
 def test_a_round_timed_on_a_compiled_path_trial_teaches_acceptance_but_not_costs():
     governor = RooflineGovernor(k=4)
     machine = Machine(0.9, 1e-3)
@@ -406,6 +430,6 @@ def test_once_the_measured_rounds_stream_through_the_cache_wider_ones_need_no_st
     machine = Machine(0.97, 2e-2, draft=5e-4)
     governor = RooflineGovernor(k=4, k_max=16, cache_slots_per_layer=4)
     chosen = drive(governor, machine, 12)
-    assert chosen[:5] == [4, 0, 0, 1, 2] and governor.frontier() == 16 and chosen[5] >= 14
+    assert chosen[:7] == [4, 0, 0, 1, 1, 2, 2] and governor.frontier() == 16 and chosen[7] >= 14
     stepwise = drive(RooflineGovernor(k=4, k_max=16), Machine(0.97, 2e-2, draft=5e-4), 12)
-    assert stepwise[5] == 6  # without the cache's size: two past the widest measured
+    assert stepwise[7] == 6  # without the cache's size: two past the widest measured

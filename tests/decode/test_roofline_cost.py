@@ -37,3 +37,16 @@ def test_after_a_change_the_rounds_since_scale_the_curve_until_they_span_three_w
     assert curve[9] == pytest.approx(3 * steady(9), rel=0.05)  # the shape kept, the level moved
     model.add(9, 3 * steady(9), 12)
     assert model.curve(now=12, changed_at=10)[7] == pytest.approx(3 * steady(7), rel=1e-6)  # fitted alone
+
+
+@pytest.mark.parametrize("transition_weight, near_steady", [(0.25, True), (1.0, False)])
+def test_a_transition_counts_less_than_a_steady_round(transition_weight, near_steady):
+    # each width's first round after another width takes twice its steady time (the cache holds
+    # the other width's experts); counted at a quarter, the curve stays within 20% of the steady cost
+    model = VerifyCost(16, 2, k_max=8, cache_slots_per_layer=None)
+    for i, width in enumerate([3, 5, 7, 9]):
+        model.add(width, 2 * steady(width), 2 * i, weight=transition_weight)
+        model.add(width, steady(width), 2 * i + 1)
+    curve = model.curve(now=8, changed_at=-1)
+    within = all(abs(curve[t] / steady(t) - 1) < 0.2 for t in (3, 5, 7, 9))
+    assert within == near_steady
