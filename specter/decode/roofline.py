@@ -16,14 +16,14 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   the experts streamed past the cache's slots (a round's time depends on the width before it,
   so one width's average reads wrong; a transition, the first round at a new k, which finds the
   cache holding what the previous k needed, counts ``TRANSITION_WEIGHT`` of a steady round: on
-  the 2 GB/s link at 50% a k = 2 round right after k = 1 ones took 97-113 ms, the next one 45-100); rounds since conditions last changed (``CHANGE_FACTOR``)
-  count alone once they span three widths (until then they scale the fit through the rounds
-  before); the curve is non-decreasing in T. A plain round (T = 1) keeps its own moving average
-  (moved further by a sample more than ``CHANGE_FACTOR`` off or after a long gap). The
-  governor's first round is not measured (the cache holds what the prefill left). With no
-  drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at all,
-  ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being estimated as
-  ``t_draft / draft_ratio``.
+  the 2 GB/s link at 50% a k = 2 round right after k = 1 ones took 97-113 ms, the next one
+  45-100); rounds since conditions last changed (``CHANGE_FACTOR``) count alone once they span
+  three widths (until then they scale the fit through the rounds before); the curve is
+  non-decreasing in T. A plain round (T = 1) keeps its own moving average (moved further by a
+  sample more than ``CHANGE_FACTOR`` off or after a long gap). The governor's first round is not
+  measured (the cache holds what the prefill left). With no drafted round yet, widths scale from
+  T = 1 by distinct experts; with no measurement at all, ``V(T) = distinct(T) / distinct(1)``
+  target steps, a target step being estimated as ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
   and within ``frontier()``: at most ``FRONTIER_STEP`` beyond the widest k measured, so wider
@@ -55,8 +55,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   before it) in the last ``STALE_HALF_LIFE`` rounds (far off an extrapolation, or off a fit that
   holds a transition's time, says the fit was wrong, not that the machine changed), marks a
   change of conditions (see ``V(T)``) and tries both neighbours of its k next. The first rounds
-  visit k0, then 0, 1 and 2 twice each (the second round at each k a steady one) to calibrate, and so do the first rounds after ``link_changed()`` (the engine moved to another link), which also marks a
-  change. A plain round right after a drafted one finds the draft's prefetches in the cache and
+  visit k0, then 0, 1 and 2 twice each (the second round at each k a steady one) to calibrate,
+  and so do the first rounds after ``link_changed()`` (the engine moved to another link), which
+  also marks a change. A plain round right after a drafted one finds the draft's prefetches in the cache and
   would make k = 0 look cheap: once the plain round has an average measured since the last
   change such a round is not measured, and k = 0 is visited (calibrated or probed) for two
   rounds in a row.
@@ -107,7 +108,8 @@ def calibration_rounds(k0: int, k_max: int) -> list[int]:
     twice (the first, right after a drafted round, finds the draft's prefetches in the cache and
     is not measured), then 1 twice and 2 twice (the first round at a new k is a transition, which
     the verify cost counts at ``TRANSITION_WEIGHT``)."""
-    return [k0, *([0, 0] if k0 else [0]), *(c for c in dict.fromkeys((1, min(2, k_max))) if c != k0 for _ in (0, 1))]
+    drafted = [c for c in dict.fromkeys((1, min(2, k_max))) if c != k0]
+    return [k0, *([0, 0] if k0 else [0]), *(c for c in drafted for _ in range(2))]
 
 
 class RooflineGovernor(Governor):
@@ -293,9 +295,9 @@ class RooflineGovernor(Governor):
                 self.extra_steps = max(0, steps - drafted)
         after_draft, self._previous_drafted = self._previous_drafted, drafted
         warm_plain = drafted == 0 and after_draft and self.verify_round.get(1, -1) >= max(self._changed_at, 0)
-        # whether the prediction for this width stands on its own recent steady rounds (a round
-        # at the k of the round before it), not on an extrapolation or a transition's time
         transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
+        # whether the prediction for this width stands on its own recent steady rounds, not on an
+        # extrapolation or a transition's time
         last = self._steady_round.get(drafted + 1, -math.inf)
         known = last >= self._changed_at and self.rounds - last <= STALE_HALF_LIFE
         first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
@@ -324,14 +326,15 @@ class RooflineGovernor(Governor):
             if entry["k"] != drafted:  # the engine shortened the round (end of generation)
                 entry["cut"] = True
             elif predicted and not entry["probe"] and not trial:
-                self._follow_up_surprise(timings["round_s"], predicted, drafted, known)
+                self._follow_up_surprise(timings["round_s"], predicted, drafted, transition, known)
 
-    def _follow_up_surprise(self, measured: float, predicted: float, drafted: int, known: bool) -> None:
+    def _follow_up_surprise(self, measured: float, predicted: float, drafted: int, transition: bool,
+                            known: bool) -> None:
         miss = abs(math.log(measured / predicted))
         typical = self.spread.value
         self.spread.update(miss)
-        if len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]:
-            return  # the first round at a new k pays for the cache contents the old k left: a transition, not news
+        if transition:
+            return  # the first round at a new k pays for the cache contents the old k left: not news
         if typical is not None and miss <= SPREAD_MULT * typical:
             return  # as far off as rounds usually are here: noise, not news
         if abs(measured - predicted) > TIME_SURPRISE * predicted:  # the estimates are off: look around soon

@@ -9,10 +9,10 @@ before any round). The cost is one fit through the last ``MAX_SAMPLES`` rounds: 
 distinct(T) + c * T + d * max(0, distinct(T) - cache_slots_per_layer)``, coefficients ``>= 0``
 (``fit_nonnegative``; ``distinct_experts``: T tokens of top-k routing over E experts): the
 experts read, the tokens computed, the experts a layer reads beyond the cache's slots (they
-stream). A round weighs its ``weight`` times ``0.5 ** (age / STALE_HALF_LIFE)``. Rounds from ``changed_at`` on
-(conditions changed) are fitted alone once they span ``OWN_FIT_WIDTHS`` widths; before that,
-the fit through the rounds before them is scaled to them (a line through one or two widths
-would put every other width on it, however far). Each measured width adds its mean residual
+stream). A round weighs its ``weight`` times ``0.5 ** (age / STALE_HALF_LIFE)``. Rounds from
+``changed_at`` on (conditions changed) are fitted alone once they span ``OWN_FIT_WIDTHS`` widths;
+before that, the fit through the rounds before them is scaled to them (a line through one or
+two widths would put every other width on it, however far). Each measured width adds its mean residual
 shrunk by ``RESIDUAL_PRIOR`` rounds (a cost the terms cannot follow shows once a width has run a
 while), and the curve is non-decreasing in T (``cost_curve``).
 
