@@ -57,10 +57,10 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   change of conditions (see ``V(T)``) and tries both neighbours of its k next. The first rounds
   visit k0, then 0, 1 and 2 twice each (the second round at each k a steady one) to calibrate,
   and so do the first rounds after ``link_changed()`` (the engine moved to another link), which
-  also marks a change. A plain round right after a drafted one finds the draft's prefetches in the cache and
-  would make k = 0 look cheap: once the plain round has an average measured since the last
-  change such a round is not measured, and k = 0 is visited (calibrated or probed) for two
-  rounds in a row.
+  also marks a change. A plain round right after a drafted one finds the draft's prefetches in
+  the cache and would make k = 0 look cheap: once the plain round has an average measured since
+  the last change such a round is not measured, and k = 0 is visited (calibrated or probed) for
+  two rounds in a row.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored. A round
   whose ``path_trial`` is set (a compiled engine tried a path it had measured slower) counts for
@@ -339,7 +339,7 @@ class RooflineGovernor(Governor):
             return  # as far off as rounds usually are here: noise, not news
         if abs(measured - predicted) > TIME_SURPRISE * predicted:  # the estimates are off: look around soon
             self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
-        if changed(measured, predicted) and known:  # far off an extrapolation: the fit was wrong, not the machine
+        if changed(measured, predicted) and known:  # off an extrapolation: the fit was wrong, not the machine
             self._changed_at = self.rounds
             # the machine or the link changed under the estimates: the first new sample of every
             # other width replaces most of its average, and both neighbours are tried next

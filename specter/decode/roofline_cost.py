@@ -12,9 +12,9 @@ experts read, the tokens computed, the experts a layer reads beyond the cache's 
 stream). A round weighs its ``weight`` times ``0.5 ** (age / STALE_HALF_LIFE)``. Rounds from
 ``changed_at`` on (conditions changed) are fitted alone once they span ``OWN_FIT_WIDTHS`` widths;
 before that, the fit through the rounds before them is scaled to them (a line through one or
-two widths would put every other width on it, however far). Each measured width adds its mean residual
-shrunk by ``RESIDUAL_PRIOR`` rounds (a cost the terms cannot follow shows once a width has run a
-while), and the curve is non-decreasing in T (``cost_curve``).
+two widths would put every other width on it, however far). Each measured width adds its mean
+residual shrunk by ``RESIDUAL_PRIOR`` rounds (a cost the terms cannot follow shows once a width
+has run a while), and the curve is non-decreasing in T (``cost_curve``).
 
 Why one fit and not an average per width: a round's time depends on the width before it
 (widened model, 50% of the experts, emulated 2 GB/s: k = 4 verified in 86 ms right after a
@@ -42,7 +42,8 @@ class VerifyCost:
     def __init__(self, n_experts: int, top_k: int, k_max: int, cache_slots_per_layer: float | None) -> None:
         self.n_experts, self.top_k, self.k_max = n_experts, top_k, k_max
         self.cache_slots_per_layer = cache_slots_per_layer
-        self.samples: deque[tuple[int, float, int, float]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round, weight)
+        # (width, seconds, round, weight)
+        self.samples: deque[tuple[int, float, int, float]] = deque(maxlen=MAX_SAMPLES)
         self._terms = [self.terms(t) for t in range(k_max + 2)]  # by width: fixed for this cache and model
         self._key: tuple | None = None
         self._curve: list[float] | None = None
