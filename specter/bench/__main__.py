@@ -36,6 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile", type=_bools, help="eager, compiled or eager,compiled")
     parser.add_argument("--links", help="JSON mapping of link names to offload.link settings")
     parser.add_argument("--repeats", type=int)
+    parser.add_argument("--twins", type=_csv, help="comma-separated row labels run twice as identical engines "
+                        "(A/A: the run's noise floor), e.g. 'specter k=4'")
     parser.add_argument("--out", type=Path, help="output directory (default: reports/<title>)")
     parser.add_argument("--no-plots", action="store_true", help="write JSON and markdown only")
     return parser.parse_args(argv)
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from specter.bench.spec import load_bench
     from specter.errors import SpecterError
 
-    sweep = {key: getattr(args, key) for key in ("engines", "budgets", "k", "governors", "compile", "repeats")
+    sweep = {key: getattr(args, key) for key in ("engines", "budgets", "k", "governors", "compile", "repeats", "twins")
              if getattr(args, key) is not None}
     try:
         if args.links is not None:

@@ -14,6 +14,11 @@ mapping) of the form::
       compile: [false, true]
       repeats: 2
       warmup_tokens: 8
+      twins: []                                  # rows run twice, as identical engines (A/A)
+
+``twins`` names rows (``specter k=4``, ``specter roofline``, ``ondemand``, ...) of which the
+sweep builds a second, identical engine (``<label> (twin)``) that takes its turns beside the
+first: how far apart two copies of one engine land in a cell is the run's noise floor.
 
 A file without ``run``/``sweep`` is a plain run recipe: it is benched as one cell (its own
 budget, link, k and compile setting) with the default engines. ``overrides`` (``key=value``)
@@ -38,7 +43,8 @@ from specter.config.schema import check_bounded
 SAME_MEMORY = "ondemand@same-memory"
 BENCH_ENGINES = ("resident", "ondemand", "router-lookahead", "specter", "hf-offload", SAME_MEMORY)  # what a sweep knows how to run
 DEFAULT_ENGINES = ("resident", "ondemand", SAME_MEMORY, "specter")
-SWEEP_KEYS = ("engines", "budgets", "links", "k", "governors", "compile", "repeats", "warmup_tokens")
+SWEEP_KEYS = ("engines", "budgets", "links", "k", "governors", "compile", "repeats", "warmup_tokens", "twins")
+TWIN_SUFFIX = " (twin)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,13 @@ class BenchSpec:
     compile: tuple[bool, ...]
     repeats: int
     warmup_tokens: int
+    twins: tuple[str, ...] = ()  # labels of offloaded rows run twice (A/A)
+
+    def row_labels(self) -> list[str]:
+        """The labels of the rows an offloaded group of a cell has (twins excluded)."""
+        labels = [f"specter k={k}" for k in self.k] + [f"specter {g}" for g in self.governors]
+        labels = labels if "specter" in self.engines else []
+        return labels + [e for e in ("ondemand", "router-lookahead", SAME_MEMORY) if e in self.engines]
 
     def cell_recipe(self, engine: str, budget: Any, link: str | None, compile: bool, extra: Sequence[str] = ()) -> Recipe:
         overrides = [f"engine={engine}", f"compile={str(compile).lower()}", "check_lossless=false", *extra]
@@ -66,7 +79,7 @@ class BenchSpec:
         return {"title": self.title, "run": self.recipe.to_dict(), "sweep": {
             "engines": list(self.engines), "budgets": list(self.budgets), "links": self.links, "k": list(self.k),
             "governors": list(self.governors), "compile": list(self.compile), "repeats": self.repeats,
-            "warmup_tokens": self.warmup_tokens}}
+            "warmup_tokens": self.warmup_tokens, "twins": list(self.twins)}}
 
 
 def link_overrides(link: Mapping) -> list[str]:
@@ -158,6 +171,14 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
     for key, value, low in (("repeats", repeats, 1), ("warmup_tokens", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise _error(f"sweep.{key}", f"expected an integer >= {low}, got {value!r:.60}")
-    return BenchSpec(title=title, recipe=base, engines=tuple(engines), budgets=tuple(budgets),
+    spec = BenchSpec(title=title, recipe=base, engines=tuple(engines), budgets=tuple(budgets),
                      links={str(n): dict(v) for n, v in links.items()}, k=tuple(ks), governors=tuple(governors),
                      compile=tuple(dict.fromkeys(compile_modes)), repeats=repeats, warmup_tokens=warmup)
+    twins = sweep_raw.get("twins", [])
+    if not isinstance(twins, (list, tuple)) or not all(isinstance(t, str) for t in twins):
+        raise _error("sweep.twins", "expected a list of row labels, like [specter k=4]")
+    for i, label in enumerate(twins):
+        if label not in spec.row_labels():
+            allowed = ", ".join(spec.row_labels()) or "none (no offloaded engine)"
+            raise _error(f"sweep.twins[{i}]", f"{label!r} is not a row of this sweep; its offloaded rows: {allowed}")
+    return dataclasses.replace(spec, twins=tuple(dict.fromkeys(twins)))

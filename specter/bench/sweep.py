@@ -17,7 +17,8 @@ docs/benchmarks.md and read by ``specter.bench.tables`` and ``specter.bench.plot
   ``resident`` engine's, and its median's ratio to each baseline's median in the same cell.
 - Labels: ``specter k=K`` (fixed k), ``specter <governor>``; ``ondemand`` has the cache of the
   ``specter`` engine (same cache size); ``ondemand@same-memory`` has that cache plus the bytes of
-  ``specter``'s INT4 draft (same total device memory).
+  ``specter``'s INT4 draft (same total device memory); ``<label> (twin)``: a second engine built
+  exactly as the row it names (``sweep.twins``; the row's ``twin_of``), an A/A control.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-from specter.bench.spec import SAME_MEMORY, BenchSpec
+from specter.bench.spec import SAME_MEMORY, TWIN_SUFFIX, BenchSpec
 
 SCHEMA = "specter.bench/2"
 BASELINES = ("ondemand", SAME_MEMORY, "router-lookahead", "resident", "hf-offload")
@@ -99,6 +100,7 @@ class Sweep:
         spec = self.spec
         offloaded = sum(1 for e in spec.engines if e in OFFLOADED and e != "specter")
         offloaded += len(specter_variants(spec)) if "specter" in spec.engines else 0
+        offloaded += len(spec.twins)
         per_cell = offloaded + ("resident" in spec.engines)
         total = per_cell * len(spec.budgets) * len(spec.links) * len(spec.compile)
         total += ("hf-offload" in spec.engines) * len(spec.budgets)
@@ -119,21 +121,27 @@ class Sweep:
         return built
 
     def _offloaded_group(self, budget, link: str, compile: bool) -> dict[str, Any]:
-        spec, group = self.spec, {}
+        spec, group, plans = self.spec, {}, {}
         if "specter" in spec.engines:
             for label, extra, k, governor in specter_variants(spec):
-                group[label] = self._build(label, "specter", budget, link, compile, extra)
-                self.meta[label] = {"engine": "specter", "k": k, "governor": governor}
+                plans[label] = ("specter", budget, extra, {"engine": "specter", "k": k, "governor": governor})
         for name in ("ondemand", "router-lookahead"):
             if name in spec.engines:
-                group[name] = self._build(name, name, budget, link, compile)
-                self.meta[name] = {"engine": name}
+                plans[name] = (name, budget, [], {"engine": name})
+        for label, plan in plans.items():
+            group[label] = self._build(label, plan[0], plan[1], link, compile, plan[2])
         if SAME_MEMORY in spec.engines:
             first = next(e for e in group.values() if e.name == "specter")
             same_bytes = first.cache.bytes + first.draft_bytes
-            group[SAME_MEMORY] = self._build(SAME_MEMORY, "ondemand", None, link, compile,
-                                             [f"offload.expert_budget={same_bytes}B"])
-            self.meta[SAME_MEMORY] = {"engine": "ondemand", "note": f"cache = specter's cache + INT4 draft ({same_bytes:,} B)"}
+            plans[SAME_MEMORY] = ("ondemand", None, [f"offload.expert_budget={same_bytes}B"],
+                                  {"engine": "ondemand", "note": f"cache = specter's cache + INT4 draft ({same_bytes:,} B)"})
+            group[SAME_MEMORY] = self._build(SAME_MEMORY, "ondemand", None, link, compile, plans[SAME_MEMORY][2])
+        for label, (engine, engine_budget, extra, meta) in plans.items():
+            self.meta[label] = meta
+            if label in spec.twins:  # an identical second engine: the cell's noise floor
+                twin = label + TWIN_SUFFIX
+                group[twin] = self._build(twin, engine, engine_budget, link, compile, extra)
+                self.meta[twin] = {**meta, "twin_of": label}
         return group
 
     # ----- running ----------------------------------------------------------------------------
@@ -220,7 +228,7 @@ class Sweep:
                 "ttft_s": last.get("ttft_s"), "transfer_wait_s": last.get("transfer_wait_s"),
                 "device_bytes_total": (last.get("device_bytes") or {}).get("total"),
                 "lossless": (self.tokens[key] == self.reference) if greedy and self.reference is not None else None,
-                "note": meta.get("note"), "ratios": ratios,
+                "note": meta.get("note"), "ratios": ratios, "twin_of": meta.get("twin_of"),
                 "compile_stats": last.get("compile"), "offload": last.get("offload"),
                 "phases": last.get("phases"), "decode_step_s": last.get("decode_step_s"),
                 "governor_summary": last.get("governor") if meta["engine"] == "specter" else None,

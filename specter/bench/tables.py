@@ -16,7 +16,9 @@ read against that step per expert read, i.e. ``decode_step_s / (top_k * n_moe_la
 phase's share of the round; the prefetch mode its last run ended in, ``(auto)`` when
 ``offload.prefetch: auto`` chose it),
 and "Governor", one row per row whose ``governor_summary`` names a governor other than ``fixed``,
-followed by the roofline table of the first such row of each (budget, link, compile) cell.
+followed by the roofline table of the first such row of each (budget, link, compile) cell;
+and "Noise floor: identical engines (A/A)", one row per row with ``twin_of`` (``sweep.twins``):
+the two medians, their ratio and the range of the paired runs' ratios, and the largest gap.
 """
 
 from __future__ import annotations
@@ -257,6 +259,33 @@ def governor_section(bench: dict) -> list[str]:
     return lines
 
 
+def twin_section(bench: dict) -> list[str]:
+    """One row per twin: its cell, the row it copies, both medians, twin / original (medians and
+    the range over paired runs), then the largest gap as a line: the run's noise floor."""
+    rows = bench.get("rows") or []
+    out, gaps = [], []
+    for twin in rows:
+        label = twin.get("twin_of")
+        original = next((r for r in rows if label and r.get("label") == label and (r.get("budget"), r.get("link"),
+                         bool(r.get("compile"))) == (twin.get("budget"), twin.get("link"), bool(twin.get("compile")))), None)
+        if original is None:
+            continue
+        a, b = original.get("decode_tokens_per_s") or {}, twin.get("decode_tokens_per_s") or {}
+        ratio = _div(b.get("median"), a.get("median"))
+        paired = [y / x for x, y in zip(a.get("runs") or [], b.get("runs") or []) if x]
+        if ratio is not None:
+            gaps.append(abs(ratio - 1))
+        out.append((label, _where(twin), _num(a.get("median"), 2), _num(b.get("median"), 2), _ratio(ratio),
+                    f"{min(paired):.2f}-{max(paired):.2f}x" if paired else "-"))
+    if not out:
+        return []
+    lines = _rows_table(("row", "cell", "original tok/s", "twin tok/s", "twin / original", "paired runs"), out)
+    if gaps:
+        lines += ["", f"Two identical engines landed up to {max(gaps) * 100:.1f}% apart (medians) in this run: "
+                      "ratios closer than that are within its noise."]
+    return lines
+
+
 def disk_section(bench: dict) -> list[str]:
     """Rows whose link read from disk: the bandwidth the disk delivered while reads were in flight,
     bytes read per decoded token, the read mode and the I/O wait share."""
@@ -289,7 +318,8 @@ def markdown(bench: dict) -> str:
         lines += ["", "### budget-independent", ""] + table(independent, independent=True)
     for title, section in (("Where the time goes (specter rows)", phase_table(bench)),
                            ("Disk reads (last repeat, prefill included)", disk_section(bench)),
-                           ("Governor", governor_section(bench))):
+                           ("Governor", governor_section(bench)),
+                           ("Noise floor: identical engines (A/A)", twin_section(bench))):
         if section:
             lines += ["", f"### {title}", ""] + section
     return "\n".join(lines) + "\n"

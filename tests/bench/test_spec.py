@@ -69,6 +69,9 @@ def test_overrides_reach_the_run_recipe_and_the_sweep():
     ({"compile": ["yes"]}, "sweep.compile"),
     ({"repeats": 0}, "sweep.repeats"),
     ({"repeets": 2}, "sweep.repeets"),
+    ({"k": [2], "twins": ["specter k=4"]}, "sweep.twins[0]"),
+    ({"engines": ["ondemand"], "twins": ["ondemand", "router-lookahead"]}, "sweep.twins[1]"),
+    ({"twins": "specter k=4"}, "sweep.twins"),
 ])
 def test_mistakes_name_the_key(sweep, key):
     with pytest.raises(RecipeError) as error:
@@ -81,3 +84,12 @@ def test_unknown_top_level_key_and_bad_run_recipe_are_refused():
         load_bench({"run": {}, "extra": 1})
     with pytest.raises(RecipeError, match="^max_new_tokens"):
         load_bench({"run": {"max_new_tokens": -1}})
+
+
+def test_twins_name_rows_of_the_sweep():
+    spec = load_bench(bench(engines=["resident", "ondemand", "specter"], k=[2, 4], governors=["roofline"],
+                            twins=["specter k=4", "specter roofline", "ondemand"]))
+    assert spec.twins == ("specter k=4", "specter roofline", "ondemand")
+    assert spec.row_labels() == ["specter k=2", "specter k=4", "specter roofline", "ondemand"]
+    assert spec.as_dict()["sweep"]["twins"] == list(spec.twins)
+    assert load_bench(bench()).twins == ()

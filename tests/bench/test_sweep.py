@@ -19,7 +19,7 @@ def bench_recipe(model) -> dict:
                                      "max_new_tokens": 6, "offload": {"cache_policy": {"name": "lru"}}},
             "sweep": {"engines": ["resident", "ondemand", SAME_MEMORY, "router-lookahead", "specter", "hf-offload"],
                       "budgets": [0.25], "links": LINKS, "k": [2, 3], "compile": [False], "repeats": 2,
-                      "warmup_tokens": 2}}
+                      "warmup_tokens": 2, "twins": ["specter k=2"]}}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def rows_by(document, label, link):
 
 
 def test_every_engine_has_a_row_per_cell_and_all_are_lossless(document):
-    labels = {"ondemand", SAME_MEMORY, "router-lookahead", "specter k=2", "specter k=3"}
+    labels = {"ondemand", SAME_MEMORY, "router-lookahead", "specter k=2", "specter k=3", "specter k=2 (twin)"}
     for link in LINKS:
         for label in labels:
             (row,) = rows_by(document, label, link)
@@ -64,6 +64,16 @@ def test_specter_rows_carry_k_and_acceptance_and_same_memory_is_bigger(document)
     (ondemand,) = rows_by(document, "ondemand", "fast")
     assert same["device_bytes_total"] > ondemand["device_bytes_total"]
     assert same["device_bytes_total"] == pytest.approx(k3["device_bytes_total"], rel=0.05)
+
+
+def test_a_twin_is_a_second_engine_built_as_its_row(document):
+    for link in LINKS:
+        (original,) = rows_by(document, "specter k=2", link)
+        (twin,) = rows_by(document, "specter k=2 (twin)", link)
+        assert twin["twin_of"] == "specter k=2" and original["twin_of"] is None
+        assert (twin["k"], twin["governor"], twin["device_bytes_total"]) == (2, "fixed", original["device_bytes_total"])
+        assert twin["decode_tokens_per_s"]["runs"] != original["decode_tokens_per_s"]["runs"]  # timed on its own
+    assert document["bench_recipe"]["sweep"]["twins"] == ["specter k=2"]
 
 
 def test_links_are_labelled_and_the_document_is_json(document):

@@ -160,6 +160,21 @@ def test_governor_section(bench):
     assert sum(line.startswith("| ") and line[2].isdigit() for line in first[:14]) == 9
 
 
+def test_noise_floor_section_pairs_each_twin_with_its_row(bench):
+    assert "Noise floor: identical engines (A/A)" not in markdown(bench)
+    rows = bench["rows"]
+    original = next(r for r in rows if r["label"] == "specter k=4" and r["link"] == "slow" and not r["compile"])
+    twin = {**original, "label": "specter k=4 (twin)", "twin_of": "specter k=4",
+            "decode_tokens_per_s": {"median": original["decode_tokens_per_s"]["median"] * 0.9, "min": 1.0, "max": 99.0,
+                                    "runs": [x * r for x, r in zip(original["decode_tokens_per_s"]["runs"], (0.8, 1.0))]}}
+    rows.append(twin)
+    lines = _sections(markdown(bench))["Noise floor: identical engines (A/A)"]
+    median = original["decode_tokens_per_s"]["median"]
+    assert f"| specter k=4 | {original['budget'] * 100:g}% / slow / eager | {median:.2f} | {median * 0.9:.2f} | 0.90x " \
+           "| 0.80-1.00x |" in lines
+    assert lines[-1].startswith("Two identical engines landed up to 10.0% apart")
+
+
 def test_extra_sections_skipped_when_empty(sparse_bench):
     for row in sparse_bench["rows"]:
         row.pop("phases", None)
