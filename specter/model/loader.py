@@ -12,11 +12,17 @@ Contract:
   all reach the device. With ``experts_on_disk`` as well, the routed experts are never loaded
   (``specter.model.disk_load``): they are read from the checkpoint's safetensors by the disk tier,
   so a model whose experts do not fit in RAM loads in the memory of its dense weights.
+  Engines of one process share the store of one checkpoint: while a store built from the same
+  safetensors files (path, sizes, modification times), dtype and pinning is alive, the next
+  ``keep_experts_on_host`` load reuses it and loads the model without its experts
+  (``load_without_experts``), so a bench's dozen offloaded engines hold the experts once, not a
+  dozen times (the store is read-only: links copy from it, the INT4 draft quantizes from it).
 - ``split_experts(model, pin)`` does the expert split on an already loaded model (``specter.offload``).
 """
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -66,6 +72,16 @@ def check_safetensors(file: Path) -> None:
     from specter.memory.disk import read_header
 
     read_header(file)
+
+
+_shared_stores: "weakref.WeakValueDictionary[tuple, ExpertStore]" = weakref.WeakValueDictionary()
+
+
+def _store_key(path: Path, dtype: torch.dtype, pin: bool) -> tuple:
+    """What makes two loads' expert stores equal: the checkpoint's safetensors files as they are
+    now, the dtype and the pinning."""
+    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.glob("*.safetensors")))
+    return str(path.resolve()), files, str(dtype), pin
 
 
 def _leave_placeholders(info: MoELayer) -> None:
@@ -132,6 +148,18 @@ def load_model(
         layers, store = experts_to_disk(model, path, direct_io, trust_remote_code)
         model.to(device)
         return model, layers, store
+    pin = pin_memory and device.type == "cuda"
+    key = _store_key(path, dtype, pin) if keep_experts_on_host and use_safetensors else None
+    shared = _shared_stores.get(key) if key is not None else None
+    if shared is not None:
+        from specter.model.disk_load import load_without_experts
+
+        model = load_without_experts(path, dtype, trust_remote_code)
+        layers = moe_layers(model)
+        for info in layers:
+            _leave_placeholders(info)
+        model.to(device)
+        return model, layers, shared
     with loading_quietly():
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, use_safetensors=use_safetensors, trust_remote_code=trust_remote_code,
@@ -139,7 +167,9 @@ def load_model(
     model.eval()
     layers = store = None
     if keep_experts_on_host:
-        layers, store = split_experts(model, pin=pin_memory and device.type == "cuda")
+        layers, store = split_experts(model, pin=pin)
+        if key is not None:
+            _shared_stores[key] = store
     model.to(device)
     return model, layers, store
 
