@@ -248,9 +248,19 @@ class Sweep:
             "schema": SCHEMA, "title": self.spec.title, "command": command, "model": any_report["model"],
             "machine": machine(), "threads": self.spec.recipe.threads, "dtype": self.spec.recipe.dtype,
             "prompts": len(self.prompts), "max_new_tokens": self.spec.recipe.max_new_tokens,
-            "repeats": self.spec.repeats, "wall_s": wall_s, "links": links, "budgets": list(self.spec.budgets),
+            "repeats": self.spec.repeats, "wall_s": wall_s, "peak_rss_bytes": _peak_rss_bytes(), "links": links, "budgets": list(self.spec.budgets),
             "bench_recipe": self.spec.as_dict(), "rows": self.rows(),
         }
+
+
+def _peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (Linux and macOS), None where unknown."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def take_turns(engines: dict[str, Any], order: list[str], prompts: list) -> Iterator[tuple[str, Any]]:

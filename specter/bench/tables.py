@@ -1,10 +1,10 @@
 """Markdown rendering of a ``specter.bench/2`` JSON document.
 
 Contract: ``markdown(bench)`` returns GitHub-flavoured markdown, with no I/O: a header paragraph
-(title, model, machine, threads, prompts x new tokens, repeats, command), one line per link
-(an emulated link is marked EMULATED), then one table per (budget, link) cell, budgets in the
-order of ``bench["budgets"]`` and links in the order of ``bench["links"]``, and a last table for
-the budget-independent rows (those whose budget or link is null: resident, hf-offload). Each
+(title, model, machine, threads, prompts x new tokens, repeats, wall time and peak memory,
+command), one line per link (an emulated link is marked EMULATED), then one table per (budget,
+link) cell, budgets in the order of ``bench["budgets"]`` and links in the order of
+``bench["links"]``, and a last table for the budget-independent rows (those whose budget or link is null: resident, hf-offload). Each
 JSON row is exactly one table row, in JSON order within its table. Any metric may be null or
 absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. A row's ``note``
 is listed under its table.
@@ -134,7 +134,8 @@ def header(bench: dict) -> list[str]:
     wall = bench.get("wall_s")
     workload = (f"{bench.get('prompts', '?')} prompts x {bench.get('max_new_tokens', '?')} new tokens, "
                 f"{bench.get('repeats', '?')} repeats (median over repeats)"
-                + (f", wall {wall:.1f} s" if wall is not None else ""))
+                + (f", wall {wall:.1f} s" if wall is not None else "")
+                + (f", peak memory {bench['peak_rss_bytes'] / 2**30:.1f} GiB" if bench.get("peak_rss_bytes") else ""))
     lines = [
         f"## {bench.get('title') or 'bench'}",
         "",

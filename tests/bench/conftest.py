@@ -91,7 +91,7 @@ def make_bench() -> dict:
                   "expert_bytes": 12582912},
         "machine": {"cpu": "x86_64 test", "cores": 2, "platform": "Linux-test", "python": "3.11.7",
                     "torch": "2.13.0+cpu", "transformers": "5.24.0", "device": "cpu"},
-        "threads": 1, "prompts": 4, "max_new_tokens": 48, "repeats": 2, "wall_s": 812.3,
+        "threads": 1, "prompts": 4, "max_new_tokens": 48, "repeats": 2, "wall_s": 812.3, "peak_rss_bytes": 6 * 2**30,
         "command": "python -m specter.bench recipes/bench-proxy.yaml",
         "links": {"slow": {"kind": "emulated", "gbps": 0.5, "latency_us": 20, "emulated": True},
                   "fast": {"kind": "emulated", "gbps": 5.0, "latency_us": 20, "emulated": True}},

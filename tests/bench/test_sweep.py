@@ -80,6 +80,7 @@ def test_links_are_labelled_and_the_document_is_json(document):
     assert document["schema"] == "specter.bench/2"
     assert document["links"]["slow"]["emulated"] is True and document["links"]["fast"]["emulated"] is False
     assert document["threads"] == 1 and document["machine"]["cores"] >= 1
+    assert document["peak_rss_bytes"] > 100 * 2**20  # this process's peak, a model and its engines in it
     json.dumps(document)
 
 

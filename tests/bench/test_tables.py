@@ -40,7 +40,8 @@ def test_header_states_workload_and_emulated_links(bench):
     text = markdown(bench)
     assert text.startswith("## bench-proxy\n")
     for needle in ("mixtral", "x86_64 test", "**Threads**: 1", "4 prompts x 48 new tokens", "2 repeats",
-                   "`python -m specter.bench recipes/bench-proxy.yaml`", "12.0 MiB per expert"):
+                   "`python -m specter.bench recipes/bench-proxy.yaml`", "12.0 MiB per expert",
+                   "wall 812.3 s, peak memory 6.0 GiB"):
         assert needle in text
     link_lines = [line for line in text.splitlines() if line.startswith("- link ")]
     assert len(link_lines) == 2
