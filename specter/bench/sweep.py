@@ -5,13 +5,13 @@ docs/benchmarks.md and read by ``specter.bench.tables`` and ``specter.bench.plot
 
 - A cell is (budget, link, compile mode). Offloaded engines are built once per (compile mode,
   budget) and moved from link to link (``OffloadedEngine.use_link``); ``resident`` is built once
-  per compile mode and runs in every cell, so each cell's ratios come from runs interleaved in
-  the same minutes; ``hf-offload`` runs eagerly once per budget (it has no link and no compiled
-  mode).
-- In a cell every engine first generates ``warmup_tokens`` tokens on the first prompt (untimed),
-  then all engines run all prompts ``repeats`` times, alternating their order each repeat; within
-  a repeat they take turns prompt by prompt (``Engine.generate_by_prompt``), so every engine's
-  rate spans the same minutes of the machine.
+  per compile mode and runs in every cell; ``hf-offload`` runs eagerly once per budget (it has
+  no link and no compiled mode). The cells of one (budget, link) run together: every engine of
+  every compile mode there first generates ``warmup_tokens`` tokens on the first prompt
+  (untimed), then all of them run all prompts ``repeats`` times, alternating their order each
+  repeat; within a repeat they take turns prompt by prompt (``Engine.generate_by_prompt``), so
+  every engine's rate, eager or compiled, spans the same minutes of the machine, and so do the
+  ratios within a cell and between a compiled row and its eager row.
 - A row is one (engine label, budget, link, compile mode): decode tokens/s (median, min, max and
   every run), the figures of its last run, whether its greedy tokens equal the eager
   ``resident`` engine's, and its median's ratio to each baseline's median in the same cell.
@@ -146,56 +146,63 @@ class Sweep:
 
     # ----- running ----------------------------------------------------------------------------
 
-    def _run_cell(self, engines: dict[str, Any], budget, link: str | None, compile: bool, scopes: dict[str, tuple]) -> None:
+    def _run_cell(self, engines: dict[tuple[str, bool], Any], budget, link: str | None,
+                  scopes: dict[tuple[str, bool], tuple]) -> None:
+        """Every engine of the (budget, link) cells of every compile mode, keyed by (label,
+        compiled), warmed up, then taking turns prompt by prompt for ``repeats`` repeats."""
         for engine in engines.values():
             engine.generate(self.prompts[:1], max_new_tokens=self.spec.warmup_tokens or 1)
-        cell = self.cells.setdefault((budget, link, compile), {})
         for repeat in range(self.spec.repeats):
             order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
-            for label, result in take_turns(engines, order, self.prompts):
+            for (label, compile), result in take_turns(engines, order, self.prompts):
                 rate = result.report["decode_tokens_per_s"]
-                key = scopes.get(label, (label, budget, link, compile))
+                key = scopes.get((label, compile), (label, budget, link, compile))
                 self.runs.setdefault(key, []).append(result.report)
                 self.tokens[key] = result.token_ids
-                cell.setdefault(label, []).append(rate)
+                self.cells.setdefault((budget, link, compile), {}).setdefault(label, []).append(rate)
                 if label == "resident" and not compile and self.reference is None:
                     self.reference = result.token_ids
                 self.progress.step()
                 self.progress.log(f"[{_cell_name(budget, link, compile)} #{repeat + 1}] {label}: {rate:.2f} tok/s")
 
     def run(self) -> None:
+        """Both compile modes' engines of a (budget, link) take turns in one cell run, so a compiled
+        row and its eager row span the same minutes (offloaded engines share one host store, so
+        both groups fit in memory)."""
         spec = self.spec
         links = list(spec.links)
-        for compile in spec.compile:
-            resident = self._build("resident", "resident", None, None, compile) if "resident" in spec.engines else None
+        residents = {}
+        if "resident" in spec.engines:
+            residents = {compile: self._build("resident", "resident", None, None, compile) for compile in spec.compile}
             self.meta["resident"] = {"engine": "resident"}
-            for budget in spec.budgets:
-                group = self._offloaded_group(budget, links[0], compile)
-                hf = None
-                if "hf-offload" in spec.engines and compile == spec.compile[0]:
-                    hf = self._build("hf-offload", "hf-offload", budget, None, False)
-                    self.meta["hf-offload"] = {"engine": "hf-offload", "note": _hf_note(hf)}
-                for index, link in enumerate(links):
-                    if index:
-                        for engine in group.values():
+        for budget in spec.budgets:
+            groups = {compile: self._offloaded_group(budget, links[0], compile) for compile in spec.compile}
+            hf = None
+            if "hf-offload" in spec.engines:
+                hf = self._build("hf-offload", "hf-offload", budget, None, False)
+                self.meta["hf-offload"] = {"engine": "hf-offload", "note": _hf_note(hf)}
+            for index, link in enumerate(links):
+                cell, scopes = {}, {}
+                for compile, group in groups.items():
+                    for label, engine in group.items():
+                        if index:
                             engine.use_link(_make_link(spec, engine, link))
-                    cell = dict(group)
-                    scopes = {}
-                    if resident is not None:
-                        cell["resident"] = resident
-                        scopes["resident"] = ("resident", None, None, compile)
-                    if hf is not None and index == 0:
-                        cell["hf-offload"] = hf
-                        scopes["hf-offload"] = ("hf-offload", budget, None, False)
-                    self._run_cell(cell, budget, link, compile, scopes)
-                for engine in [*group.values(), *([hf] if hf is not None else [])]:
-                    engine.close()
-                del group, hf, cell  # every reference, before the next budget's engines load
-                gc.collect()
-            if resident is not None:
-                resident.close()
-            del resident
+                        cell[(label, compile)] = engine
+                    if compile in residents:
+                        cell[("resident", compile)] = residents[compile]
+                        scopes[("resident", compile)] = ("resident", None, None, compile)
+                if hf is not None and index == 0:
+                    cell[("hf-offload", False)] = hf
+                    scopes[("hf-offload", False)] = ("hf-offload", budget, None, False)
+                self._run_cell(cell, budget, link, scopes)
+            for engine in [*(e for group in groups.values() for e in group.values()), *([hf] if hf is not None else [])]:
+                engine.close()
+            del groups, hf, cell  # every reference, before the next budget's engines load
             gc.collect()
+        for resident in residents.values():
+            resident.close()
+        del residents
+        gc.collect()
         self.progress.close()
 
     # ----- the document -----------------------------------------------------------------------

@@ -4,12 +4,13 @@ the same cell, lossless against eager resident, files written by the CLI."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from specter.bench.__main__ import main
 from specter.bench.spec import SAME_MEMORY, load_bench
-from specter.bench.sweep import run_bench, take_turns
+from specter.bench.sweep import Sweep, run_bench, take_turns
 
 LINKS = {"slow": {"kind": "emulated", "gbps": 0.05, "latency_us": 10}, "fast": {"kind": "local"}}
 
@@ -137,3 +138,43 @@ def test_fixed_rows_leave_the_recipe_governor_options_to_the_other_governors():
         governors[label] = registry().create("governor", chosen.name, chosen.options, k=chosen.k, n_experts=16, top_k=2)
     assert governors["specter k=2"].name == "fixed" and governors["specter k=2"].k == 2
     assert governors["specter roofline"].k_max == 12
+
+
+class StandIn:
+    """An engine stand-in for ``Sweep._build``: logs (label, compiled, prompt) as it decodes; a
+    compiled one reports twice the rate."""
+
+    def __init__(self, label: str, name: str, compiled: bool, log: list) -> None:
+        self.label, self.name, self.compiled, self.log = label, name, compiled, log
+
+    def generate(self, prompts, max_new_tokens=None):
+        return None
+
+    def generate_by_prompt(self, prompts):
+        for index, prompt in enumerate(prompts):
+            self.log.append((self.label, self.compiled, prompt))
+            if index + 1 < len(prompts):
+                yield index
+        return SimpleNamespace(report={"decode_tokens_per_s": 2.0 if self.compiled else 1.0}, token_ids=[[1]])
+
+    def close(self) -> None:
+        pass
+
+
+def test_eager_and_compiled_engines_of_a_cell_take_turns_prompt_by_prompt(monkeypatch):
+    spec = load_bench({"title": "t", "run": {"model": "bundled:tiny-moe", "prompts": ["a", "b"]}, "sweep": {
+        "engines": ["resident", "ondemand"], "budgets": [0.5], "links": {"fast": {"kind": "local"}},
+        "compile": [False, True], "repeats": 1, "warmup_tokens": 1}})
+    log: list = []
+    sweep = Sweep(spec, progress=False)
+    monkeypatch.setattr(sweep, "_build", lambda label, engine, budget, link, compile, extra=(): StandIn(
+        label, engine, compile, log))
+    sweep.run()
+    first = log[:4]  # prompt "a" by every engine of both modes before any engine's prompt "b"
+    assert {prompt for *_, prompt in first} == {"a"} and log[4:] and {prompt for *_, prompt in log[4:]} == {"b"}
+    assert sorted((label, compiled) for label, compiled, _ in first) == [
+        ("ondemand", False), ("ondemand", True), ("resident", False), ("resident", True)]
+    assert sweep.cells[(0.5, "fast", False)] == {"ondemand": [1.0], "resident": [1.0]}
+    assert sweep.cells[(0.5, "fast", True)] == {"ondemand": [2.0], "resident": [2.0]}
+    assert set(sweep.runs) == {("ondemand", 0.5, "fast", False), ("ondemand", 0.5, "fast", True),
+                               ("resident", None, None, False), ("resident", None, None, True)}
