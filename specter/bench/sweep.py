@@ -133,8 +133,9 @@ class Sweep:
         if SAME_MEMORY in spec.engines:
             first = next(e for e in group.values() if e.name == "specter")
             same_bytes = first.cache.bytes + first.draft_bytes
+            note = f"cache = specter's cache + INT4 draft ({same_bytes:,} B)"
             plans[SAME_MEMORY] = ("ondemand", None, [f"offload.expert_budget={same_bytes}B"],
-                                  {"engine": "ondemand", "note": f"cache = specter's cache + INT4 draft ({same_bytes:,} B)"})
+                                  {"engine": "ondemand", "note": note})
             group[SAME_MEMORY] = self._build(SAME_MEMORY, "ondemand", None, link, compile, plans[SAME_MEMORY][2])
         for label, (engine, engine_budget, extra, meta) in plans.items():
             self.meta[label] = meta
@@ -195,9 +196,10 @@ class Sweep:
                     cell[("hf-offload", False)] = hf
                     scopes[("hf-offload", False)] = ("hf-offload", budget, None, False)
                 self._run_cell(cell, budget, link, scopes)
-            for engine in [*(e for group in groups.values() for e in group.values()), *([hf] if hf is not None else [])]:
+            extra = [hf] if hf is not None else []
+            for engine in [*(e for group in groups.values() for e in group.values()), *extra]:
                 engine.close()
-            del groups, hf, cell  # every reference, before the next budget's engines load
+            del groups, hf, cell, extra  # every reference, before the next budget's engines load
             gc.collect()
         for resident in residents.values():
             resident.close()
@@ -255,7 +257,8 @@ class Sweep:
             "schema": SCHEMA, "title": self.spec.title, "command": command, "model": any_report["model"],
             "machine": machine(), "threads": self.spec.recipe.threads, "dtype": self.spec.recipe.dtype,
             "prompts": len(self.prompts), "max_new_tokens": self.spec.recipe.max_new_tokens,
-            "repeats": self.spec.repeats, "wall_s": wall_s, "peak_rss_bytes": _peak_rss_bytes(), "links": links, "budgets": list(self.spec.budgets),
+            "repeats": self.spec.repeats, "wall_s": wall_s, "peak_rss_bytes": _peak_rss_bytes(), "links": links,
+            "budgets": list(self.spec.budgets),
             "bench_recipe": self.spec.as_dict(), "rows": self.rows(),
         }
 

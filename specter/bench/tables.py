@@ -4,10 +4,10 @@ Contract: ``markdown(bench)`` returns GitHub-flavoured markdown, with no I/O: a 
 (title, model, machine, threads, prompts x new tokens, repeats, wall time and peak memory,
 command), one line per link (an emulated link is marked EMULATED), then one table per (budget,
 link) cell, budgets in the order of ``bench["budgets"]`` and links in the order of
-``bench["links"]``, and a last table for the budget-independent rows (those whose budget or link is null: resident, hf-offload). Each
-JSON row is exactly one table row, in JSON order within its table. Any metric may be null or
-absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. A row's ``note``
-is listed under its table.
+``bench["links"]``, and a last table for the budget-independent rows (those whose budget or link
+is null: resident, hf-offload). Each JSON row is exactly one table row, in JSON order within its
+table. Any metric may be null or absent and renders as ``-``; ratios render as ``1.80x``, rates
+with 3 decimals. A row's ``note`` is listed under its table.
 
 Then, when there is something to show: "Where the time goes (specter rows)", one table row per
 specter row with ``phases`` (draft step against resident's target step of the same compile mode,
@@ -267,8 +267,9 @@ def twin_section(bench: dict) -> list[str]:
     out, gaps = [], []
     for twin in rows:
         label = twin.get("twin_of")
-        original = next((r for r in rows if label and r.get("label") == label and (r.get("budget"), r.get("link"),
-                         bool(r.get("compile"))) == (twin.get("budget"), twin.get("link"), bool(twin.get("compile")))), None)
+        where = (twin.get("budget"), twin.get("link"), bool(twin.get("compile")))
+        original = next((r for r in rows if label and r.get("label") == label
+                         and (r.get("budget"), r.get("link"), bool(r.get("compile"))) == where), None)
         if original is None:
             continue
         a, b = original.get("decode_tokens_per_s") or {}, twin.get("decode_tokens_per_s") or {}

@@ -13,8 +13,9 @@ PROMPT = [[1, 17, 93, 4, 250, 31, 8]]
 
 
 def engine(path, name: str, dtype: str = "float32"):
+    offload = {"expert_budget": 0.25, "link": {"kind": "local"}}
     return build_engine(load_recipe({"model": str(path), "engine": name, "dtype": dtype, "threads": 1,
-                                     "max_new_tokens": 8, "offload": {"expert_budget": 0.25, "link": {"kind": "local"}}}))
+                                     "max_new_tokens": 8, "offload": offload}))
 
 
 def test_offloaded_engines_of_one_checkpoint_share_its_expert_store(tiny_mixtral):
