@@ -61,10 +61,17 @@ class BenchSpec:
     warmup_tokens: int
     twins: tuple[str, ...] = ()  # labels of offloaded rows run twice (A/A)
 
+    def specter_variants(self) -> list[tuple[str, list[str], int | None, str]]:
+        """(label, recipe overrides, k, governor) of every specter row."""
+        # a fixed row takes none of the recipe's governor options (they are the other governors')
+        variants = [(f"specter k={k}", ["speculation.governor.name=fixed", f"speculation.governor.k={k}",
+                                        "speculation.governor.options={}"], k, "fixed") for k in self.k]
+        variants += [(f"specter {g}", [f"speculation.governor.name={g}"], None, g) for g in self.governors]
+        return variants
+
     def row_labels(self) -> list[str]:
         """The labels of the rows an offloaded group of a cell has (twins excluded)."""
-        labels = [f"specter k={k}" for k in self.k] + [f"specter {g}" for g in self.governors]
-        labels = labels if "specter" in self.engines else []
+        labels = [label for label, *_ in self.specter_variants()] if "specter" in self.engines else []
         return labels + [e for e in ("ondemand", "router-lookahead", SAME_MEMORY) if e in self.engines]
 
     def cell_recipe(self, engine: str, budget: Any, link: str | None, compile: bool, extra: Sequence[str] = ()) -> Recipe:

@@ -37,7 +37,6 @@ from specter.bench.spec import SAME_MEMORY, TWIN_SUFFIX, BenchSpec
 
 SCHEMA = "specter.bench/2"
 BASELINES = ("ondemand", SAME_MEMORY, "router-lookahead", "resident", "hf-offload")
-OFFLOADED = ("ondemand", "router-lookahead", "specter", SAME_MEMORY)
 
 
 def machine() -> dict:
@@ -52,15 +51,6 @@ def machine() -> dict:
     device = "cuda: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "device": device}
-
-
-def specter_variants(spec: BenchSpec) -> list[tuple[str, list[str], int | None, str]]:
-    """(label, recipe overrides, k, governor) of every specter row."""
-    # a fixed row takes none of the recipe's governor options (they are the other governors')
-    variants = [(f"specter k={k}", ["speculation.governor.name=fixed", f"speculation.governor.k={k}",
-                                    "speculation.governor.options={}"], k, "fixed") for k in spec.k]
-    variants += [(f"specter {g}", [f"speculation.governor.name={g}"], None, g) for g in spec.governors]
-    return variants
 
 
 class Progress:
@@ -98,10 +88,7 @@ class Sweep:
 
     def _count_runs(self) -> int:
         spec = self.spec
-        offloaded = sum(1 for e in spec.engines if e in OFFLOADED and e != "specter")
-        offloaded += len(specter_variants(spec)) if "specter" in spec.engines else 0
-        offloaded += len(spec.twins)
-        per_cell = offloaded + ("resident" in spec.engines)
+        per_cell = len(spec.row_labels()) + len(spec.twins) + ("resident" in spec.engines)
         total = per_cell * len(spec.budgets) * len(spec.links) * len(spec.compile)
         total += ("hf-offload" in spec.engines) * len(spec.budgets)
         return total * spec.repeats
@@ -121,27 +108,33 @@ class Sweep:
         return built
 
     def _offloaded_group(self, budget, link: str, compile: bool) -> dict[str, Any]:
-        spec, group, plans = self.spec, {}, {}
+        spec, group = self.spec, {}
+        plans: dict[str, tuple[str, Any, list[str], dict]] = {}  # label -> (engine, budget, overrides, meta)
+
+        def build(label: str, as_label: str | None = None):
+            engine, engine_budget, extra, _ = plans[label]
+            return self._build(as_label or label, engine, engine_budget, link, compile, extra)
+
         if "specter" in spec.engines:
-            for label, extra, k, governor in specter_variants(spec):
+            for label, extra, k, governor in spec.specter_variants():
                 plans[label] = ("specter", budget, extra, {"engine": "specter", "k": k, "governor": governor})
         for name in ("ondemand", "router-lookahead"):
             if name in spec.engines:
                 plans[name] = (name, budget, [], {"engine": name})
-        for label, plan in plans.items():
-            group[label] = self._build(label, plan[0], plan[1], link, compile, plan[2])
+        for label in plans:
+            group[label] = build(label)
         if SAME_MEMORY in spec.engines:
             first = next(e for e in group.values() if e.name == "specter")
             same_bytes = first.cache.bytes + first.draft_bytes
             note = f"cache = specter's cache + INT4 draft ({same_bytes:,} B)"
             plans[SAME_MEMORY] = ("ondemand", None, [f"offload.expert_budget={same_bytes}B"],
                                   {"engine": "ondemand", "note": note})
-            group[SAME_MEMORY] = self._build(SAME_MEMORY, "ondemand", None, link, compile, plans[SAME_MEMORY][2])
-        for label, (engine, engine_budget, extra, meta) in plans.items():
+            group[SAME_MEMORY] = build(SAME_MEMORY)
+        for label, (*_, meta) in plans.items():
             self.meta[label] = meta
             if label in spec.twins:  # an identical second engine: the cell's noise floor
                 twin = label + TWIN_SUFFIX
-                group[twin] = self._build(twin, engine, engine_budget, link, compile, extra)
+                group[twin] = build(label, twin)
                 self.meta[twin] = {**meta, "twin_of": label}
         return group
 
@@ -196,10 +189,9 @@ class Sweep:
                     cell[("hf-offload", False)] = hf
                     scopes[("hf-offload", False)] = ("hf-offload", budget, None, False)
                 self._run_cell(cell, budget, link, scopes)
-            extra = [hf] if hf is not None else []
-            for engine in [*(e for group in groups.values() for e in group.values()), *extra]:
+            for engine in [e for group in groups.values() for e in group.values()] + ([hf] if hf is not None else []):
                 engine.close()
-            del groups, hf, cell, extra  # every reference, before the next budget's engines load
+            del groups, hf, cell  # every reference, before the next budget's engines load
             gc.collect()
         for resident in residents.values():
             resident.close()

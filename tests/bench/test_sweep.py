@@ -127,13 +127,12 @@ def test_engines_take_turns_prompt_by_prompt():
 
 
 def test_fixed_rows_leave_the_recipe_governor_options_to_the_other_governors():
-    from specter.bench.sweep import specter_variants
     from specter.plugins import registry
 
     spec = load_bench({"title": "t", "run": {"model": "bundled:tiny-moe", "speculation": {
         "governor": {"name": "roofline", "options": {"k_max": 12}}}}, "sweep": {"k": [2], "governors": ["roofline"]}})
     governors = {}
-    for label, extra, _, _ in specter_variants(spec):
+    for label, extra, _, _ in spec.specter_variants():
         chosen = spec.cell_recipe("specter", 0.5, next(iter(spec.links)), False, extra).speculation.governor
         governors[label] = registry().create("governor", chosen.name, chosen.options, k=chosen.k, n_experts=16, top_k=2)
     assert governors["specter k=2"].name == "fixed" and governors["specter k=2"].k == 2
