@@ -11,8 +11,10 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   one draft step (``steps(k) = k + 1`` while the engine runs a routing-only step, ``k`` once its
   ``draft_steps`` say it does not, 0 for k = 0); ``V(T)`` is the flush + verification time of
   a width-T pass, transfer waits included, so the link, the cache and streaming are in it as
-  they are on this machine. Drafted widths follow ``VerifyCost`` (``specter.decode.roofline_cost``):
-  one non-negative fit, through the recent drafted rounds, of the experts read, the tokens and
+  they are on this machine. A drafted width's transfer waits (the engine's ``verify_io_wait_s``)
+  are ``T`` times ``WaitPerToken``'s rate, pooled over every drafted round (one round's wait
+  scatters far more than the rest of its verification); the rest follows ``VerifyCost``
+  (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted rounds, of the experts read, the tokens and
   the experts streamed past the cache's slots (a round's time depends on the width before it,
   so one width's average reads wrong; a transition, the first round at a new k, which finds the
   cache holding what the previous k needed, counts ``TRANSITION_WEIGHT`` of a steady round: on
@@ -62,7 +64,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   the last change such a round is not measured, and k = 0 is visited (calibrated or probed) for
   two rounds in a row.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
-  ``flush_s``, ``verify_s``, ``host_s``, ``draft_steps``); unknown names are ignored. A round
+  ``flush_s``, ``verify_s`` and the transfer waits within it ``verify_io_wait_s``, ``host_s``,
+  ``draft_steps``); unknown names are ignored (an engine that reports no waits has them fitted
+  with the rest). A round
   whose ``path_trial`` is set (a compiled engine tried a path it had measured slower) counts for
   acceptance only: its times are the trial's, and a width first seen through a trial (a fused
   verification draining every transfer, 2x the layered one at width 5) would otherwise be
@@ -81,7 +85,7 @@ import statistics
 
 from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import Governor
-from specter.decode.roofline_cost import STALE_HALF_LIFE, VerifyCost
+from specter.decode.roofline_cost import STALE_HALF_LIFE, VerifyCost, WaitPerToken
 from specter.decode.roofline_fit import Ema, distinct_experts
 
 log = logging.getLogger("specter.governor")
@@ -92,7 +96,7 @@ OFF_PROBE_RANGE = 0.6  # ... while speculation is off (a draft that got good aga
 CHANGE_FACTOR = 2.0  # a time off by this factor (either way) means conditions changed, not noise
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
 SPREAD_MULT = 3.0  # a round no further off than this many times the typical miss is noise
-HOLD_MARGIN = 0.06  # another k must be predicted this much faster (relative) to replace the current choice
+HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
 SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
 FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured
 TRANSITION_WEIGHT = 0.25  # how much the verify cost counts a round right after one at another k
@@ -134,6 +138,7 @@ class RooflineGovernor(Governor):
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
         self._steady_round: dict[int, int] = {}  # ... in a round at the same k as the round before
         self.cost = VerifyCost(n_experts, top_k, k_max, cache_slots_per_layer)  # drafted widths' verify seconds
+        self.wait = WaitPerToken()  # ... and their transfer waits, per verified token
         self._changed_at = -1  # the round whose time showed that conditions changed
         self._previous_drafted = 0  # tokens the last observed round drafted
         self.rounds = 0
@@ -164,7 +169,7 @@ class RooflineGovernor(Governor):
             return self.plain.value
         curve = self.cost.curve(self.rounds, self._changed_at)
         if curve is not None:
-            return curve[min(width, len(curve) - 1)]
+            return curve[min(width, len(curve) - 1)] + width * (self.wait.value(self.rounds, self._changed_at) or 0.0)
         if self.plain.value is not None:
             return self.plain.value * u
         if self.draft_step.value is None:
@@ -304,7 +309,11 @@ class RooflineGovernor(Governor):
         if "verify_s" in timings and not warm_plain and not trial and not first:
             width, sample = drafted + 1, timings["verify_s"] + timings.get("flush_s", 0.0)
             if width > 1:
-                self.cost.add(width, sample, self.rounds, TRANSITION_WEIGHT if transition else 1.0)
+                if "verify_io_wait_s" in timings:
+                    self.cost.waits_apart()
+                wait = min(sample, max(0.0, timings.get("verify_io_wait_s", 0.0)))
+                self.wait.add(width, wait, self.rounds)
+                self.cost.add(width, sample - wait, self.rounds, TRANSITION_WEIGHT if transition else 1.0)
             else:
                 age = self.rounds - self.verify_round.get(1, self.rounds)
                 step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample

@@ -1,9 +1,10 @@
 """The roofline governor's verification cost model (``specter.decode.roofline``): what a width-T
 pass of drafted tokens costs on this machine, learned from the rounds it has seen.
 
-Contract: ``add(width, seconds, round, weight=1)`` records a drafted round's flush + verify
-seconds (``weight``: how much it counts, e.g. less for a transition, a round right after one at
-another width);
+Contract: ``VerifyCost.add(width, seconds, round, weight=1)`` records a drafted round's flush +
+verify seconds (``weight``: how much it counts, e.g. less for a transition, a round right after
+one at another width); ``waits_apart()`` says the seconds leave the round's transfer waits out
+(``WaitPerToken`` has them), and the streaming term below is dropped;
 ``curve(now, changed_at)`` gives the predicted seconds by width (index T, 2..k_max + 1; None
 before any round). The cost is one fit through the last ``MAX_SAMPLES`` rounds: ``a + b *
 distinct(T) + c * T + d * max(0, distinct(T) - cache_slots_per_layer)``, coefficients ``>= 0``
@@ -24,6 +25,23 @@ Terms for the experts a round reads beyond (or short of) the previous round's wi
 and dropped: in a bench run the governor then held k = 15 at 50% on 2 GB/s (0.82x the best fixed
 k), likely because the widths past the cache are measured mostly right after narrower rounds,
 so that term can take the cost of streaming.
+
+``WaitPerToken``: the transfer waits of drafted rounds per verified token, pooled over every
+width (``add(width, seconds, round)``; ``value(now, changed_at)``: the age-weighted sum of the
+waits over that of the widths, from the rounds since ``changed_at`` alone once there are
+``OWN_WAIT_ROUNDS`` of them; None before any round). Why apart from the fit through the widths:
+on a link-bound machine a round waits for the experts its tokens bring in, at a rate per token
+that hardly depends on the k that ran (widened model, emulated 2 GB/s, fixed k each alone: 9.5-11
+ms a verified token for k = 1..16 at 50%; 20.9-21.8 for k = 1..8 at 25%, 15.7 at k = 16), while
+one round's wait scatters (sd 17-31 ms against 3-8 ms for the rest of its verification), and a
+width probed once reads the cache the previous k left. Every drafted round measures the one
+rate; the fit through the widths, with its residuals by width, sees only the compute, which does
+not scatter, and without the streaming term (with it, the compute of the calibration's k = 1 and
+2 rounds at 25% on 2 GB/s went onto that term, wide rounds looked dear, and the governor took
+k = 1 for 3-4 rounds, then 5-6: 0.93 and 0.96x the best fixed k in two runs; without it, 0.98 and
+0.98x, holding k = 6). Fitting the waits by distinct experts and streamed experts as well was
+tried: wider rounds then looked cheaper at 50% on 2 GB/s, and the governor climbed to k = 12-14
+(fixed k = 12 and 16 there: 0.9x k = 6 or 8).
 """
 
 from __future__ import annotations
@@ -34,8 +52,25 @@ from specter.decode.roofline_fit import cost_curve, distinct_experts
 
 MAX_SAMPLES = 96  # the drafted rounds the verify cost is fitted through (the most recent)
 OWN_FIT_WIDTHS = 3  # after a change of conditions, the rounds since are fitted alone from this many widths on
+OWN_WAIT_ROUNDS = 3  # ... and their transfer waits are pooled alone from this many rounds on
 RESIDUAL_PRIOR = 1.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
+
+
+class WaitPerToken:
+    def __init__(self) -> None:
+        self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round)
+
+    def add(self, width: int, seconds: float, round_index: int) -> None:
+        self.samples.append((width, max(0.0, seconds), round_index))
+
+    def value(self, now: int, changed_at: int) -> float | None:
+        """Seconds of transfer wait per verified token (see the module's contract)."""
+        since = [sample for sample in self.samples if sample[2] >= changed_at]
+        samples = since if len(since) >= OWN_WAIT_ROUNDS else self.samples
+        weights = [0.5 ** ((now - r) / STALE_HALF_LIFE) for _, _, r in samples]
+        widths = sum(w * t for w, (t, _, _) in zip(weights, samples))
+        return sum(w * v for w, (_, v, _) in zip(weights, samples)) / widths if widths else None
 
 
 class VerifyCost:
@@ -50,6 +85,13 @@ class VerifyCost:
 
     def add(self, width: int, seconds: float, round_index: int, weight: float = 1.0) -> None:
         self.samples.append((width, seconds, round_index, weight))
+
+    def waits_apart(self) -> None:
+        """The samples leave their transfer waits out (``WaitPerToken`` has them): experts streamed
+        past the cache cost waits, not compute, so the fit drops that term."""
+        if self.cache_slots_per_layer is not None:
+            self.cache_slots_per_layer, self._key = None, None
+            self._terms = [self.terms(t) for t in range(self.k_max + 2)]
 
     def terms(self, width: int) -> list[float]:
         """The terms a width-T round's verify cost is a non-negative sum of."""

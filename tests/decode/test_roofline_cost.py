@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specter.decode.roofline_cost import VerifyCost
+from specter.decode.roofline_cost import OWN_WAIT_ROUNDS, VerifyCost, WaitPerToken
 from specter.decode.roofline_fit import distinct_experts
 
 
@@ -50,3 +50,19 @@ def test_a_transition_counts_less_than_a_steady_round(transition_weight, near_st
     curve = model.curve(now=8, changed_at=-1)
     within = all(abs(curve[t] / steady(t) - 1) < 0.2 for t in (3, 5, 7, 9))
     assert within == near_steady
+
+
+def test_waits_pool_per_verified_token_over_widths_and_restart_after_a_change():
+    waits = WaitPerToken()
+    assert waits.value(now=0, changed_at=-1) is None
+    for i, width in enumerate([2, 9, 5, 3]):
+        waits.add(width, 0.01 * width, i)
+    assert waits.value(now=4, changed_at=-1) == pytest.approx(0.01)
+    scattered = WaitPerToken()  # one round lucky, the next one unlucky: the pool averages them
+    for i, width in enumerate([2, 9, 5, 3, 7, 4]):
+        scattered.add(width, 0.01 * width * (0.4 if i % 2 else 1.6), i)
+    assert 0.008 < scattered.value(now=6, changed_at=-1) < 0.012
+    for i in range(OWN_WAIT_ROUNDS):  # conditions changed at round 10: three times the wait
+        assert waits.value(now=10 + i, changed_at=10) < 0.03  # too few rounds since: the old ones still count
+        waits.add(4, 0.03 * 4, 10 + i)
+    assert waits.value(now=10 + OWN_WAIT_ROUNDS, changed_at=10) == pytest.approx(0.03)
