@@ -60,17 +60,23 @@ STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in t
 class WaitPerToken:
     def __init__(self) -> None:
         self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round)
+        self._key: tuple | None = None
+        self._value: float | None = None
 
     def add(self, width: int, seconds: float, round_index: int) -> None:
         self.samples.append((width, max(0.0, seconds), round_index))
 
     def value(self, now: int, changed_at: int) -> float | None:
         """Seconds of transfer wait per verified token (see the module's contract)."""
-        since = [sample for sample in self.samples if sample[2] >= changed_at]
-        samples = since if len(since) >= OWN_WAIT_ROUNDS else self.samples
-        weights = [0.5 ** ((now - r) / STALE_HALF_LIFE) for _, _, r in samples]
-        widths = sum(w * t for w, (t, _, _) in zip(weights, samples))
-        return sum(w * v for w, (_, v, _) in zip(weights, samples)) / widths if widths else None
+        key = (now, changed_at, len(self.samples), self.samples[-1] if self.samples else None)
+        if key != self._key:
+            since = [sample for sample in self.samples if sample[2] >= changed_at]
+            samples = since if len(since) >= OWN_WAIT_ROUNDS else self.samples
+            weights = [0.5 ** ((now - r) / STALE_HALF_LIFE) for _, _, r in samples]
+            widths = sum(w * t for w, (t, _, _) in zip(weights, samples))
+            waits = sum(w * v for w, (_, v, _) in zip(weights, samples))
+            self._key, self._value = key, waits / widths if widths else None
+        return self._value
 
 
 class VerifyCost:
