@@ -14,8 +14,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   they are on this machine. A drafted width's transfer waits (the engine's ``verify_io_wait_s``)
   are ``T`` times ``WaitPerToken``'s rate, pooled over every drafted round (one round's wait
   scatters far more than the rest of its verification); the rest follows ``VerifyCost``
-  (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted rounds, of the experts read, the tokens and
-  the experts streamed past the cache's slots (a round's time depends on the width before it,
+  (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
+  rounds, of the experts read, the tokens and (for an engine that reports no waits) the experts
+  streamed past the cache's slots (a round's time depends on the width before it,
   so one width's average reads wrong; a transition, the first round at a new k, which finds the
   cache holding what the previous k needed, counts ``TRANSITION_WEIGHT`` of a steady round: on
   the 2 GB/s link at 50% a k = 2 round right after k = 1 ones took 97-113 ms, the next one
@@ -169,7 +170,8 @@ class RooflineGovernor(Governor):
             return self.plain.value
         curve = self.cost.curve(self.rounds, self._changed_at)
         if curve is not None:
-            return curve[min(width, len(curve) - 1)] + width * (self.wait.value(self.rounds, self._changed_at) or 0.0)
+            wait_per_token = self.wait.value(self.rounds, self._changed_at) or 0.0
+            return curve[min(width, len(curve) - 1)] + width * wait_per_token
         if self.plain.value is not None:
             return self.plain.value * u
         if self.draft_step.value is None:

@@ -39,9 +39,10 @@ rate; the fit through the widths, with its residuals by width, sees only the com
 not scatter, and without the streaming term (with it, the compute of the calibration's k = 1 and
 2 rounds at 25% on 2 GB/s went onto that term, wide rounds looked dear, and the governor took
 k = 1 for 3-4 rounds, then 5-6: 0.93 and 0.96x the best fixed k in two runs; without it, 0.98 and
-0.98x, holding k = 6). Fitting the waits by distinct experts and streamed experts as well was
-tried: wider rounds then looked cheaper at 50% on 2 GB/s, and the governor climbed to k = 12-14
-(fixed k = 12 and 16 there: 0.9x k = 6 or 8).
+0.98x, holding k = 6, though in two later runs it held k = 1 for most rounds: 0.89 and 0.84x).
+Fitting the waits by distinct experts and streamed experts as well was tried: wider rounds then
+looked cheaper at 50% on 2 GB/s, and the governor climbed to k = 12-14 (fixed k = 12 and 16
+there: 0.9x k = 6 or 8).
 """
 
 from __future__ import annotations

@@ -451,8 +451,10 @@ class WaitingMachine(Machine):
 
     def round(self, k: int) -> tuple[int, dict]:
         accepted, timings = super().round(k)
-        wait = self.waits.expovariate(1.0) * self.wait_per_token * (k + 1 if k else 3)  # nothing drafted hides a plain round's
-        timings.update(verify_s=timings["verify_s"] + wait, verify_io_wait_s=wait, round_s=timings["round_s"] + wait)
+        tokens = k + 1 if k else 3  # nothing drafted hides a plain round's transfers
+        wait = self.waits.expovariate(1.0) * self.wait_per_token * tokens
+        timings.update(verify_s=timings["verify_s"] + wait, verify_io_wait_s=wait,
+                       round_s=timings["round_s"] + wait)
         return accepted, timings
 
 
