@@ -311,10 +311,11 @@ class RooflineGovernor(Governor):
         if "verify_s" in timings and not warm_plain and not trial and not first:
             width, sample = drafted + 1, timings["verify_s"] + timings.get("flush_s", 0.0)
             if width > 1:
-                if "verify_io_wait_s" in timings:
+                wait = 0.0
+                if "verify_io_wait_s" in timings:  # the waits pooled apart; the fit sees the rest
                     self.cost.waits_apart()
-                wait = min(sample, max(0.0, timings.get("verify_io_wait_s", 0.0)))
-                self.wait.add(width, wait, self.rounds)
+                    wait = min(sample, max(0.0, timings["verify_io_wait_s"]))
+                    self.wait.add(width, wait, self.rounds)
                 self.cost.add(width, sample - wait, self.rounds, TRANSITION_WEIGHT if transition else 1.0)
             else:
                 age = self.rounds - self.verify_round.get(1, self.rounds)

@@ -58,6 +58,17 @@ RESIDUAL_PRIOR = 1.0  # rounds: a width's mean residual from the fit counts as n
 STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
 
 
+def _age_weight(now: int, round_index: int) -> float:
+    """How much a round ``now - round_index`` rounds old counts: half per ``STALE_HALF_LIFE``."""
+    return 0.5 ** ((now - round_index) / STALE_HALF_LIFE)
+
+
+def _state(samples: deque, now: int, changed_at: int) -> tuple:
+    """What a model's cached answer depends on: the round, the last change, and its samples
+    (a bounded deque: its length and last entry tell whether one was added)."""
+    return now, changed_at, len(samples), samples[-1] if samples else None
+
+
 class WaitPerToken:
     def __init__(self) -> None:
         self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round)
@@ -69,11 +80,11 @@ class WaitPerToken:
 
     def value(self, now: int, changed_at: int) -> float | None:
         """Seconds of transfer wait per verified token (see the module's contract)."""
-        key = (now, changed_at, len(self.samples), self.samples[-1] if self.samples else None)
+        key = _state(self.samples, now, changed_at)
         if key != self._key:
             since = [sample for sample in self.samples if sample[2] >= changed_at]
             samples = since if len(since) >= OWN_WAIT_ROUNDS else self.samples
-            weights = [0.5 ** ((now - r) / STALE_HALF_LIFE) for _, _, r in samples]
+            weights = [_age_weight(now, r) for _, _, r in samples]
             widths = sum(w * t for w, (t, _, _) in zip(weights, samples))
             waits = sum(w * v for w, (_, v, _) in zip(weights, samples))
             self._key, self._value = key, waits / widths if widths else None
@@ -111,7 +122,7 @@ class VerifyCost:
     def curve(self, now: int, changed_at: int) -> list[float] | None:
         """Predicted verify seconds by width at round ``now``, conditions having last
         changed at round ``changed_at`` (see the module's contract)."""
-        key = (now, changed_at, len(self.samples), self.samples[-1] if self.samples else None)
+        key = _state(self.samples, now, changed_at)
         if key != self._key:
             since = [sample for sample in self.samples if sample[2] >= changed_at]
             if len({t for t, *_ in since}) >= OWN_FIT_WIDTHS:
@@ -127,5 +138,5 @@ class VerifyCost:
         return self._curve
 
     def _through(self, samples, now: int) -> list[float] | None:
-        weighted = [(t, v, w * 0.5 ** ((now - r) / STALE_HALF_LIFE)) for t, v, r, w in samples]
+        weighted = [(t, v, w * _age_weight(now, r)) for t, v, r, w in samples]
         return cost_curve(weighted, self._terms, RESIDUAL_PRIOR)

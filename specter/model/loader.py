@@ -80,7 +80,8 @@ _shared_stores: "weakref.WeakValueDictionary[tuple, ExpertStore]" = weakref.Weak
 def _store_key(path: Path, dtype: torch.dtype, pin: bool) -> tuple:
     """What makes two loads' expert stores equal: the checkpoint's safetensors files as they are
     now, the dtype and the pinning."""
-    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.glob("*.safetensors")))
+    stats = [(f.name, f.stat()) for f in sorted(path.glob("*.safetensors"))]
+    files = tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
     return str(path.resolve()), files, str(dtype), pin
 
 
