@@ -13,7 +13,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   a width-T pass, transfer waits included, so the link, the cache and streaming are in it as
   they are on this machine. A drafted width's transfer waits (the engine's ``verify_io_wait_s``)
   are ``T`` times ``WaitPerToken``'s rate, pooled over every drafted round (one round's wait
-  scatters far more than the rest of its verification); the rest follows ``VerifyCost``
+  scatters far more than the rest of its verification), or where every round streams
+  (``always_streams``) its rate at T (``by_width``); the rest follows ``VerifyCost``
   (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
   rounds, of the experts read, the tokens and (for an engine that reports no waits) the experts
   streamed past the cache's slots (a round's time depends on the width before it,
@@ -58,20 +59,20 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   before it) in the last ``STALE_HALF_LIFE`` rounds (far off an extrapolation, or off a fit that
   holds a transition's time, says the fit was wrong, not that the machine changed), marks a
   change of conditions (see ``V(T)``) and tries both neighbours of its k next. The first rounds
-  visit k0, then 0, 1 and 2 twice each (the second round at each k a steady one) to calibrate,
-  and so do the first rounds after ``link_changed()`` (the engine moved to another link), which
-  also marks a change. A plain round right after a drafted one finds the draft's prefetches in
-  the cache and would make k = 0 look cheap: once the plain round has an average measured since
-  the last change such a round is not measured, and k = 0 is visited (calibrated or probed) for
-  two rounds in a row.
+  visit k0, then 0, 1 and 2 (and k_max where every round streams) twice each (the second round
+  at each k a steady one) to calibrate, and so do the first rounds after ``link_changed()``
+  (the engine moved to another link), which also marks a change. A plain round right after a
+  drafted one finds the draft's prefetches in the cache and would make k = 0 look cheap: once
+  the plain round has an average measured since the last change such a round is not measured,
+  and k = 0 is visited (calibrated or probed) for two rounds in a row.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s`` and the transfer waits within it ``verify_io_wait_s``, ``host_s``,
   ``draft_steps``); unknown names are ignored (an engine that reports no waits has them fitted
-  with the rest). A round
-  whose ``path_trial`` is set (a compiled engine tried a path it had measured slower) counts for
-  acceptance only: its times are the trial's, and a width first seen through a trial (a fused
-  verification draining every transfer, 2x the layered one at width 5) would otherwise be
-  judged by it and not chosen again (compiled, 50% on ``local``: 20 plain rounds in a row).
+  with the rest). A round whose ``path_trial`` is set (a compiled engine tried a path it had
+  measured slower) counts for acceptance only: its times are the trial's, and a width first seen
+  through a trial (a fused verification draining every transfer, 2x the layered one at width 5)
+  would otherwise be judged by it and not chosen again (compiled, 50% on ``local``: 20 plain
+  rounds in a row).
 - ``table()`` gives, for every k, the expected accepted tokens, predicted round time and tokens/s;
   ``predicted_round_s`` is the prediction for the k last returned (None while calibrating).
 Switching speculation off (k = 0 chosen, not probed) or back on is logged once per switch
@@ -108,12 +109,12 @@ def changed(sample: float, reference: float) -> bool:
     return sample > CHANGE_FACTOR * reference or sample * CHANGE_FACTOR < reference
 
 
-def calibration_rounds(k0: int, k_max: int) -> list[int]:
+def calibration_rounds(k0: int, k_max: int, widest: bool = False) -> list[int]:
     """The k of the first rounds (and of those after ``link_changed()``): k0, then a plain round
     twice (the first, right after a drafted round, finds the draft's prefetches in the cache and
     is not measured), then 1 twice and 2 twice (the first round at a new k is a transition, which
-    the verify cost counts at ``TRANSITION_WEIGHT``)."""
-    drafted = [c for c in dict.fromkeys((1, min(2, k_max))) if c != k0]
+    the verify cost counts at ``TRANSITION_WEIGHT``), and with ``widest`` k_max twice."""
+    drafted = [c for c in dict.fromkeys((1, min(2, k_max), *((k_max,) if widest else ()))) if c != k0]
     return [k0, *([0, 0] if k0 else [0]), *(c for c in drafted for _ in range(2))]
 
 
@@ -148,7 +149,7 @@ class RooflineGovernor(Governor):
         self.history: list[dict] = []  # per round: k, probe, predicted and measured seconds
         self._report_from = 0  # the first round of the current report (new_report)
         self._speculating: bool | None = None
-        self._calibration = calibration_rounds(k, k_max)
+        self._calibration = calibration_rounds(k, k_max, self.always_streams())
         self._interval, self._next_probe, self._probes, self._last_best = probe_every, probe_every, 0, None
 
     # ----- the model --------------------------------------------------------------------------
@@ -170,8 +171,9 @@ class RooflineGovernor(Governor):
             return self.plain.value
         curve = self.cost.curve(self.rounds, self._changed_at)
         if curve is not None:
-            wait_per_token = self.wait.value(self.rounds, self._changed_at) or 0.0
-            return curve[min(width, len(curve) - 1)] + width * wait_per_token
+            now = (self.rounds, self._changed_at)
+            wait = self.wait.by_width(width, *now) if self.always_streams() else self.wait.value(*now)
+            return curve[min(width, len(curve) - 1)] + width * (wait or 0.0)
         if self.plain.value is not None:
             return self.plain.value * u
         if self.draft_step.value is None:
@@ -194,12 +196,15 @@ class RooflineGovernor(Governor):
                          "predicted_tokens_per_s": (1 + accepted) / seconds if seconds else None})
         return rows
 
+    def always_streams(self) -> bool:
+        """Whether every round streams: ``FRONTIER_STEP`` drafts read more experts than a layer's slots."""
+        capacity = self.cache_slots_per_layer
+        return capacity is not None and distinct_experts(FRONTIER_STEP + 1, self.n_experts, self.top_k) > capacity
+
     def frontier(self) -> int:
         """The widest k that may be chosen or probed now: ``FRONTIER_STEP`` beyond the widest k
-        whose width was measured (beyond ``k0`` before any was); ``k_max`` where even a round of
-        ``FRONTIER_STEP`` drafts does not fit the cache (every round streams: no cliff ahead)."""
-        capacity = self.cache_slots_per_layer
-        if capacity is not None and distinct_experts(FRONTIER_STEP + 1, self.n_experts, self.top_k) > capacity:
+        measured (``k0`` before any was); ``k_max`` where ``always_streams`` (no cliff ahead)."""
+        if self.always_streams():
             return self.k_max
         measured = [t for t in self.verify_round if t > 1]
         return min(self.k_max, max(max(measured, default=0) - 1, self.k0) + FRONTIER_STEP)
@@ -367,7 +372,7 @@ class RooflineGovernor(Governor):
         (every width measured so far stands on the fit through those measured from now on, and
         is replaced by its next sample), and the first rounds calibrate again."""
         self._changed_at = self.rounds + 1
-        self._calibration = calibration_rounds(self.k0, self.k_max)
+        self._calibration = calibration_rounds(self.k0, self.k_max, self.always_streams())
         self._interval, self._next_probe = self.probe_every, self.rounds + self.probe_every
 
     def new_report(self) -> None:

@@ -43,6 +43,15 @@ k = 1 for 3-4 rounds, then 5-6: 0.93 and 0.96x the best fixed k in two runs; wit
 Fitting the waits by distinct experts and streamed experts as well was tried: wider rounds then
 looked cheaper at 50% on 2 GB/s, and the governor climbed to k = 12-14 (fixed k = 12 and 16
 there: 0.9x k = 6 or 8).
+``by_width(width, now, changed_at)``: the rate at one width, a line in the width through the
+measured widths' own rates (weighted least squares, a width weighing its rounds' age weights
+times the width; not below 0; the pooled rate while one width was measured). The governor takes
+it where every round streams (its ``always_streams``): there a wide round's tokens share the
+experts they stream, so its wait per token is lower (25% on 2 GB/s, fixed k each, stop 36: 20.4,
+20.9, 21.6, 20.8 ms a verified token for k = 1, 2, 4, 8, then 17.3 at 12 and 15.2 at 16, where
+fixed k = 16 ran 1.25x k = 4); the pooled rate, carried by the narrow rounds the governor had
+measured, made k = 16 look slower than k = 4, and it held k = 1 or 4 (0.79-0.84x the best fixed
+k in two cell runs). At 50% a round of k = 2 still fits the cache, and the pooled rate stays.
 """
 
 from __future__ import annotations
@@ -69,26 +78,55 @@ def _state(samples: deque, now: int, changed_at: int) -> tuple:
     return now, changed_at, len(samples), samples[-1] if samples else None
 
 
+def _weighted_line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Weighted least-squares (intercept, slope) of y on x through (x, y, weight) points; None
+    unless they span two x values."""
+    total = sum(w for _, _, w in points)
+    if total <= 0 or len({x for x, _, _ in points}) < 2:
+        return None
+    mean_x = sum(w * x for x, _, w in points) / total
+    mean_y = sum(w * y for _, y, w in points) / total
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread
+    return mean_y - slope * mean_x, slope
+
+
 class WaitPerToken:
     def __init__(self) -> None:
         self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round)
         self._key: tuple | None = None
         self._value: float | None = None
+        self._line: tuple[float, float] | None = None  # (intercept, slope) of ``by_width``
 
     def add(self, width: int, seconds: float, round_index: int) -> None:
         self.samples.append((width, max(0.0, seconds), round_index))
 
     def value(self, now: int, changed_at: int) -> float | None:
         """Seconds of transfer wait per verified token (see the module's contract)."""
-        key = _state(self.samples, now, changed_at)
-        if key != self._key:
-            since = [sample for sample in self.samples if sample[2] >= changed_at]
-            samples = since if len(since) >= OWN_WAIT_ROUNDS else self.samples
-            weights = [_age_weight(now, r) for _, _, r in samples]
-            widths = sum(w * t for w, (t, _, _) in zip(weights, samples))
-            waits = sum(w * v for w, (_, v, _) in zip(weights, samples))
-            self._key, self._value = key, waits / widths if widths else None
+        self._update(now, changed_at)
         return self._value
+
+    def by_width(self, width: int, now: int, changed_at: int) -> float | None:
+        """Seconds of transfer wait per verified token at ``width``: a line in the width through
+        the measured widths' own rates (least squares, each width weighted by its rounds' age
+        weights times the width), not below 0; the pooled rate while one width was measured."""
+        self._update(now, changed_at)
+        if self._line is None:
+            return self._value
+        intercept, slope = self._line
+        return max(0.0, intercept + slope * width)
+
+    def _update(self, now: int, changed_at: int) -> None:
+        key = _state(self.samples, now, changed_at)
+        if key == self._key:
+            return
+        since = [sample for sample in self.samples if sample[2] >= changed_at]
+        samples = since if len(since) >= OWN_WAIT_ROUNDS else self.samples
+        weights = [_age_weight(now, r) for _, _, r in samples]
+        widths = sum(w * t for w, (t, _, _) in zip(weights, samples))
+        waits = sum(w * v for w, (_, v, _) in zip(weights, samples))
+        self._key, self._value = key, waits / widths if widths else None
+        self._line = _weighted_line([(t, v / t, w * t) for w, (t, v, _) in zip(weights, samples)])
 
 
 class VerifyCost:

@@ -18,54 +18,7 @@ from specter.plugins import registry
 from specter.decode.roofline import RooflineGovernor
 from specter.decode.roofline_fit import distinct_experts
 
-
-class Machine:
-    def __init__(self, p: float, io_per_expert: float, per_expert: float = 1e-3, draft: float = 2e-3, host=2e-4):
-        self.p, self.io, self.per_expert, self.draft, self.host = p, io_per_expert, per_expert, draft, host
-        self.rng = random.Random(0)
-
-    def round(self, k: int) -> tuple[int, dict]:
-        accepted = 0
-        while accepted < k and self.rng.random() < self.p:
-            accepted += 1
-        experts = distinct_experts(k + 1, 16, 2) * 4
-        verify = experts * (self.per_expert + self.io * (0.3 if k else 1.0))  # drafting hides some I/O
-        steps = k + 1 if k else 0
-        timings = {"draft_s": steps * self.draft, "flush_s": 0.0, "verify_s": verify, "host_s": self.host,
-                   "draft_steps": steps}
-        timings["round_s"] = sum(timings[n] for n in ("draft_s", "verify_s", "host_s"))
-        return accepted, timings
-
-    def best_k(self, k_max: int = 8) -> int:
-        def rate(k):
-            expected = sum(self.p ** i for i in range(1, k + 1))
-            return (1 + expected) / self.round(k)[1]["round_s"]
-        return max(range(k_max + 1), key=rate)
-
-
-def drive(governor: RooflineGovernor, machine: Machine, rounds: int, log: list | None = None) -> list[int]:
-    chosen = []
-    for _ in range(rounds):
-        k = governor.next_k()
-        accepted, timings = machine.round(k)
-        governor.observe(drafted=k, accepted=accepted, **timings)
-        chosen.append(k)
-        if log is not None:
-            log.append((1 + accepted, timings["round_s"]))
-    return chosen
-
-
-def fixed_rate(machine: Machine, k: int, rounds: int = 200) -> float:
-    tokens = seconds = 0.0
-    for _ in range(rounds):
-        accepted, timings = machine.round(k)
-        tokens, seconds = tokens + 1 + accepted, seconds + timings["round_s"]
-    return tokens / seconds
-
-
-def settled(chosen: list[int]) -> int:
-    tail = chosen[-24:]
-    return max(set(tail), key=tail.count)
+from roofline_machines import Machine, drive, fixed_rate, settled
 
 
 def test_expected_accepted_follows_per_position_acceptance():
@@ -433,54 +386,3 @@ def test_once_the_measured_rounds_stream_through_the_cache_wider_ones_need_no_st
     assert chosen[:7] == [4, 0, 0, 1, 1, 2, 2] and governor.frontier() == 16 and chosen[7] >= 14
     stepwise = drive(RooflineGovernor(k=4, k_max=16), Machine(0.97, 2e-2, draft=5e-4), 12)
     assert stepwise[7] == 6  # without the cache's size: two past the widest measured
-
-
-class WaitingMachine(Machine):
-    """``Machine`` on a link-bound setting: each round also waits for its tokens' transfers,
-    ``wait_per_token`` a verified token on average, scattered as a slow link's waits are (an
-    exponential draw per round, whose spread equals its mean); the engine reports the wait
-    (``verify_io_wait_s``) inside ``verify_s``."""
-
-    def __init__(self, *args, wait_per_token: float, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.wait_per_token = wait_per_token
-        self.waits = random.Random(1)
-
-    def mean_verify_s(self, width: int) -> float:
-        return distinct_experts(width, 16, 2) * 4 * (self.per_expert + self.io * 0.3) + self.wait_per_token * width
-
-    def round(self, k: int) -> tuple[int, dict]:
-        accepted, timings = super().round(k)
-        tokens = k + 1 if k else 3  # nothing drafted hides a plain round's transfers
-        wait = self.waits.expovariate(1.0) * self.wait_per_token * tokens
-        timings.update(verify_s=timings["verify_s"] + wait, verify_io_wait_s=wait,
-                       round_s=timings["round_s"] + wait)
-        return accepted, timings
-
-
-def test_scattered_waits_reported_apart_leave_every_width_predicted_by_its_mean():
-    # the waits pooled over every round per verified token, the rest of the verification (which
-    # does not scatter) fitted through the widths: every width within 10% of its mean cost, over
-    # four draws. With the waits inside the fit (an engine that does not report them), the widths
-    # measured a few times carry their rounds' luck: 7-205% off in the same draws
-    def run(seed: int, reports_waits: bool) -> tuple[float, float]:
-        machine = WaitingMachine(0.95, 0.0, per_expert=3e-3, wait_per_token=5e-3)
-        machine.rng, machine.waits = random.Random(100 + seed), random.Random(seed)
-        governor, tokens, seconds = RooflineGovernor(k=4), 0, 0.0
-        for i in range(200):
-            k = governor.next_k()
-            accepted, timings = machine.round(k)
-            if not reports_waits:
-                timings.pop("verify_io_wait_s")
-            governor.observe(drafted=k, accepted=accepted, **timings)
-            if i >= 40:
-                tokens, seconds = tokens + 1 + accepted, seconds + timings["round_s"]
-        error = max(abs(governor.verify_s(t) / machine.mean_verify_s(t) - 1) for t in range(2, governor.k_max + 2))
-        return error, tokens / seconds
-
-    reported = [run(seed, True) for seed in range(4)]
-    fitted = [run(seed, False) for seed in range(4)]
-    best = max(fixed_rate(WaitingMachine(0.95, 0.0, per_expert=3e-3, wait_per_token=5e-3), k, 2000) for k in range(9))
-    assert max(error for error, _ in reported) < 0.1
-    assert min(error for error, _ in fitted) > 0.05 and sum(error for error, _ in fitted) / 4 > 0.3
-    assert sum(rate for _, rate in reported) / 4 >= 0.94 * best

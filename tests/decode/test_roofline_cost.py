@@ -66,3 +66,17 @@ def test_waits_pool_per_verified_token_over_widths_and_restart_after_a_change():
         assert waits.value(now=10 + i, changed_at=10) < 0.03  # too few rounds since: the old ones still count
         waits.add(4, 0.03 * 4, 10 + i)
     assert waits.value(now=10 + OWN_WAIT_ROUNDS, changed_at=10) == pytest.approx(0.03)
+
+
+def test_waits_by_width_follow_a_line_through_the_measured_widths():
+    waits = WaitPerToken()
+    assert waits.by_width(5, now=0, changed_at=-1) is None
+    waits.add(5, 0.1, 0)
+    assert waits.by_width(17, now=1, changed_at=-1) == pytest.approx(0.02)  # one width: the pooled rate
+    for i, (width, per_token) in enumerate([(2, 0.021), (17, 0.015), (2, 0.019), (17, 0.015), (9, 0.018)], start=1):
+        waits.add(width, per_token * width, i)
+    line = [waits.by_width(t, now=6, changed_at=-1) for t in (2, 9, 17)]
+    assert line[0] > line[1] > line[2]  # the wait per token falls with the width, as measured
+    assert line[2] == pytest.approx(0.015, abs=0.001) and line[0] == pytest.approx(0.020, abs=0.0015)
+    assert waits.value(now=6, changed_at=-1) == pytest.approx(line[1], abs=0.002)  # the pooled rate lies between
+    assert waits.by_width(200, now=6, changed_at=-1) == 0.0  # never below zero

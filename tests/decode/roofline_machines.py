@@ -1,0 +1,106 @@
+"""Synthetic machines for the roofline governor's tests: round time and acceptance are known, so
+the best k is known too: round(k) = host + (k+1) * draft + verify(k+1), verify(T) = per_expert *
+distinct(T) + io(T), and each draft position is accepted with probability p (seeded, so runs
+are reproducible). ``drive`` runs a governor on one, ``fixed_rate`` a fixed k."""
+
+from __future__ import annotations
+
+import random
+
+from specter.decode.roofline import RooflineGovernor
+from specter.decode.roofline_fit import distinct_experts
+
+
+class Machine:
+    def __init__(self, p: float, io_per_expert: float, per_expert: float = 1e-3, draft: float = 2e-3, host=2e-4):
+        self.p, self.io, self.per_expert, self.draft, self.host = p, io_per_expert, per_expert, draft, host
+        self.rng = random.Random(0)
+
+    def round(self, k: int) -> tuple[int, dict]:
+        accepted = 0
+        while accepted < k and self.rng.random() < self.p:
+            accepted += 1
+        experts = distinct_experts(k + 1, 16, 2) * 4
+        verify = experts * (self.per_expert + self.io * (0.3 if k else 1.0))  # drafting hides some I/O
+        steps = k + 1 if k else 0
+        timings = {"draft_s": steps * self.draft, "flush_s": 0.0, "verify_s": verify, "host_s": self.host,
+                   "draft_steps": steps}
+        timings["round_s"] = sum(timings[n] for n in ("draft_s", "verify_s", "host_s"))
+        return accepted, timings
+
+    def best_k(self, k_max: int = 8) -> int:
+        def rate(k):
+            expected = sum(self.p ** i for i in range(1, k + 1))
+            return (1 + expected) / self.round(k)[1]["round_s"]
+        return max(range(k_max + 1), key=rate)
+
+
+def drive(governor: RooflineGovernor, machine: Machine, rounds: int, log: list | None = None) -> list[int]:
+    chosen = []
+    for _ in range(rounds):
+        k = governor.next_k()
+        accepted, timings = machine.round(k)
+        governor.observe(drafted=k, accepted=accepted, **timings)
+        chosen.append(k)
+        if log is not None:
+            log.append((1 + accepted, timings["round_s"]))
+    return chosen
+
+
+def fixed_rate(machine: Machine, k: int, rounds: int = 200) -> float:
+    tokens = seconds = 0.0
+    for _ in range(rounds):
+        accepted, timings = machine.round(k)
+        tokens, seconds = tokens + 1 + accepted, seconds + timings["round_s"]
+    return tokens / seconds
+
+
+def settled(chosen: list[int]) -> int:
+    tail = chosen[-24:]
+    return max(set(tail), key=tail.count)
+
+
+class WaitingMachine(Machine):
+    """``Machine`` on a link-bound setting: each round also waits for its tokens' transfers,
+    ``wait_per_token`` a verified token on average, scattered as a slow link's waits are (an
+    exponential draw per round, whose spread equals its mean); the engine reports the wait
+    (``verify_io_wait_s``) inside ``verify_s``."""
+
+    def __init__(self, *args, wait_per_token: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait_per_token = wait_per_token
+        self.waits = random.Random(1)
+
+    def mean_verify_s(self, width: int) -> float:
+        return distinct_experts(width, 16, 2) * 4 * (self.per_expert + self.io * 0.3) + self.wait_per_token * width
+
+    def round(self, k: int) -> tuple[int, dict]:
+        accepted, timings = super().round(k)
+        tokens = k + 1 if k else 3  # nothing drafted hides a plain round's transfers
+        wait = self.waits.expovariate(1.0) * self.wait_per_token * tokens
+        timings.update(verify_s=timings["verify_s"] + wait, verify_io_wait_s=wait,
+                       round_s=timings["round_s"] + wait)
+        return accepted, timings
+
+
+class SharedStreamMachine(Machine):
+    """``Machine`` where every round streams its experts through a small cache over a slow link
+    (the widened model at 25% on 2 GB/s): a round waits ``wait_per_token(T) * T`` on average,
+    scattered as ``WaitingMachine``'s, and the wait per token falls with the width, as the tokens
+    of a wide round share the experts they stream (measured there: 20-22 ms a verified token for
+    k = 1..8, 17 at k = 12, 15 at k = 16). The engine reports the wait inside ``verify_s``."""
+
+    def __init__(self, *args, first_wait: float = 22e-3, wait_fall: float = 0.4e-3, seed: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.first_wait, self.wait_fall = first_wait, wait_fall
+        self.rng, self.waits = random.Random(seed), random.Random(seed + 1000)
+
+    def wait_per_token(self, tokens: int) -> float:
+        return max(0.0, self.first_wait - self.wait_fall * tokens)
+
+    def round(self, k: int) -> tuple[int, dict]:
+        accepted, timings = super().round(k)
+        tokens = k + 1 if k else 3  # nothing drafted hides a plain round's transfers
+        wait = self.waits.expovariate(1.0) * self.wait_per_token(tokens) * tokens
+        timings.update(verify_s=timings["verify_s"] + wait, verify_io_wait_s=wait, round_s=timings["round_s"] + wait)
+        return accepted, timings
