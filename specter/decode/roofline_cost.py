@@ -49,7 +49,7 @@ times the width; not below 0; the pooled rate while one width was measured). The
 it where every round streams (its ``always_streams``): there a wide round's tokens share the
 experts they stream, so its wait per token is lower (25% on 2 GB/s, fixed k each, stop 36: 20.4,
 20.9, 21.6, 20.8 ms a verified token for k = 1, 2, 4, 8, then 17.3 at 12 and 15.2 at 16, where
-fixed k = 16 ran 1.25x k = 4); the pooled rate, carried by the narrow rounds the governor had
+fixed k = 16 ran 1.23-1.29x k = 4); the pooled rate, carried by the narrow rounds the governor had
 measured, made k = 16 look slower than k = 4, and it held k = 1 or 4 (0.79-0.84x the best fixed
 k in two cell runs). At 50% a round of k = 2 still fits the cache, and the pooled rate stays.
 """
