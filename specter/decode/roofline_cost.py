@@ -43,15 +43,21 @@ k = 1 for 3-4 rounds, then 5-6: 0.93 and 0.96x the best fixed k in two runs; wit
 Fitting the waits by distinct experts and streamed experts as well was tried: wider rounds then
 looked cheaper at 50% on 2 GB/s, and the governor climbed to k = 12-14 (fixed k = 12 and 16
 there: 0.9x k = 6 or 8).
-``by_width(width, now, changed_at)``: the rate at one width, a line in the width through the
-measured widths' own rates (weighted least squares, a width weighing its rounds' age weights
-times the width; not below 0; the pooled rate while one width was measured). The governor takes
-it where every round streams (its ``always_streams``): there a wide round's tokens share the
-experts they stream, so its wait per token is lower (25% on 2 GB/s, fixed k each, stop 36: 20.4,
+``by_width(width, now, changed_at)``: the rate at one width, from the measured widths' own rates
+made non-increasing in the width (weighted isotonic regression, a width weighing its rounds' age
+weights times the width), linear between measured widths and flat beyond them. The governor
+takes it where every round streams (its ``always_streams``): there a wide round's tokens share
+the experts they stream, so its wait per token is no higher (25% on 2 GB/s, fixed k each, stop 36: 20.4,
 20.9, 21.6, 20.8 ms a verified token for k = 1, 2, 4, 8, then 17.3 at 12 and 15.2 at 16, where
 fixed k = 16 ran 1.23-1.29x k = 4); the pooled rate, carried by the narrow rounds the governor had
 measured, made k = 16 look slower than k = 4, and it held k = 1 or 4 (0.79-0.84x the best fixed
 k in two cell runs). At 50% a round of k = 2 still fits the cache, and the pooled rate stays.
+Where narrow rounds hide their copies behind the draft and wide ones wait (a fast link), the
+rates rise with the width, the regression pools them, and the rate is the pooled one. A line
+through the widths' rates was tried first: a probe a width or two from the held k set its
+slope, extrapolated far (276 ms a token at width 2 from rounds at 15-17), and after the link got
+10x faster a positive slope made narrow rounds look free (a synthetic three-phase run, twelve
+draws: 0.875x the best fixed k in the fast phase against 1.013x with the regression).
 """
 
 from __future__ import annotations
@@ -78,17 +84,16 @@ def _state(samples: deque, now: int, changed_at: int) -> tuple:
     return now, changed_at, len(samples), samples[-1] if samples else None
 
 
-def _weighted_line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """Weighted least-squares (intercept, slope) of y on x through (x, y, weight) points; None
-    unless they span two x values."""
-    total = sum(w for _, _, w in points)
-    if total <= 0 or len({x for x, _, _ in points}) < 2:
-        return None
-    mean_x = sum(w * x for x, _, w in points) / total
-    mean_y = sum(w * y for _, y, w in points) / total
-    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
-    slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread
-    return mean_y - slope * mean_x, slope
+def _non_increasing(points: list[tuple[int, float, float]]) -> dict[int, float]:
+    """The non-increasing values closest to (x, y, weight) points in weighted least squares
+    (isotonic regression, pooling adjacent violators), by x."""
+    blocks: list[tuple[list[int], float, float]] = []  # (xs, mean, weight)
+    for x, y, w in sorted(points):
+        blocks.append(([x], y, w))
+        while len(blocks) > 1 and blocks[-2][1] < blocks[-1][1]:
+            (xs, mean, weight), (xs2, mean2, weight2) = blocks[-2], blocks.pop()
+            blocks[-1] = (xs + xs2, (mean * weight + mean2 * weight2) / (weight + weight2), weight + weight2)
+    return {x: mean for xs, mean, _ in blocks for x in xs}
 
 
 class WaitPerToken:
@@ -96,7 +101,7 @@ class WaitPerToken:
         self.samples: deque[tuple[int, float, int]] = deque(maxlen=MAX_SAMPLES)  # (width, seconds, round)
         self._key: tuple | None = None
         self._value: float | None = None
-        self._line: tuple[float, float] | None = None  # (intercept, slope) of ``by_width``
+        self._by_width: dict[int, float] = {}  # measured width -> its non-increasing rate (``by_width``)
 
     def add(self, width: int, seconds: float, round_index: int) -> None:
         self.samples.append((width, max(0.0, seconds), round_index))
@@ -107,14 +112,19 @@ class WaitPerToken:
         return self._value
 
     def by_width(self, width: int, now: int, changed_at: int) -> float | None:
-        """Seconds of transfer wait per verified token at ``width``: a line in the width through
-        the measured widths' own rates (least squares, each width weighted by its rounds' age
-        weights times the width), not below 0; the pooled rate while one width was measured."""
+        """Seconds of transfer wait per verified token at ``width``: the measured widths' own
+        rates made non-increasing in the width (isotonic regression, each width weighted by its
+        rounds' age weights times the width), linear between them, flat beyond them."""
         self._update(now, changed_at)
-        if self._line is None:
+        rates = self._by_width
+        if not rates:
             return self._value
-        intercept, slope = self._line
-        return max(0.0, intercept + slope * width)
+        widths = sorted(rates)
+        if width <= widths[0] or width >= widths[-1]:
+            return rates[widths[0] if width <= widths[0] else widths[-1]]
+        above = next(t for t in widths if t >= width)
+        below = widths[widths.index(above) - 1]
+        return rates[below] + (rates[above] - rates[below]) * (width - below) / (above - below)
 
     def _update(self, now: int, changed_at: int) -> None:
         key = _state(self.samples, now, changed_at)
@@ -126,7 +136,11 @@ class WaitPerToken:
         widths = sum(w * t for w, (t, _, _) in zip(weights, samples))
         waits = sum(w * v for w, (_, v, _) in zip(weights, samples))
         self._key, self._value = key, waits / widths if widths else None
-        self._line = _weighted_line([(t, v / t, w * t) for w, (t, v, _) in zip(weights, samples)])
+        tokens: dict[int, float] = {}
+        waited: dict[int, float] = {}
+        for w, (t, v, _) in zip(weights, samples):
+            tokens[t], waited[t] = tokens.get(t, 0.0) + w * t, waited.get(t, 0.0) + w * v
+        self._by_width = _non_increasing([(t, waited[t] / tokens[t], tokens[t]) for t in tokens if tokens[t] > 0])
 
 
 class VerifyCost:

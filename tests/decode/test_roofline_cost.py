@@ -68,15 +68,19 @@ def test_waits_pool_per_verified_token_over_widths_and_restart_after_a_change():
     assert waits.value(now=10 + OWN_WAIT_ROUNDS, changed_at=10) == pytest.approx(0.03)
 
 
-def test_waits_by_width_follow_a_line_through_the_measured_widths():
+def test_waits_by_width_fall_with_the_width_as_measured_and_never_rise():
     waits = WaitPerToken()
     assert waits.by_width(5, now=0, changed_at=-1) is None
     waits.add(5, 0.1, 0)
-    assert waits.by_width(17, now=1, changed_at=-1) == pytest.approx(0.02)  # one width: the pooled rate
+    assert waits.by_width(17, now=1, changed_at=-1) == pytest.approx(0.02)  # one width: its rate, everywhere
     for i, (width, per_token) in enumerate([(2, 0.021), (17, 0.015), (2, 0.019), (17, 0.015), (9, 0.018)], start=1):
         waits.add(width, per_token * width, i)
-    line = [waits.by_width(t, now=6, changed_at=-1) for t in (2, 9, 17)]
-    assert line[0] > line[1] > line[2]  # the wait per token falls with the width, as measured
-    assert line[2] == pytest.approx(0.015, abs=0.001) and line[0] == pytest.approx(0.020, abs=0.0015)
-    assert waits.value(now=6, changed_at=-1) == pytest.approx(line[1], abs=0.002)  # the pooled rate lies between
-    assert waits.by_width(200, now=6, changed_at=-1) == 0.0  # never below zero
+    rates = [waits.by_width(t, now=6, changed_at=-1) for t in (2, 9, 13, 17, 200)]
+    assert rates[0] == pytest.approx(0.020, abs=0.001) and rates[1] == pytest.approx(0.018, abs=0.0005)
+    assert rates[2] == pytest.approx((rates[1] + rates[3]) / 2)  # linear between measured widths
+    assert rates[3] == pytest.approx(0.015) and rates[4] == rates[3]  # flat beyond them
+    rising = WaitPerToken()  # narrow rounds hid their copies, wide ones waited: no width is cheaper a token
+    for i, (width, per_token) in enumerate([(2, 0.001), (17, 0.003), (2, 0.001), (17, 0.003)]):
+        rising.add(width, per_token * width, i)
+    pooled = rising.value(now=4, changed_at=-1)
+    assert all(rising.by_width(t, now=4, changed_at=-1) == pytest.approx(pooled) for t in (2, 9, 17))

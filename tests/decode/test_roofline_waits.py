@@ -75,3 +75,31 @@ def test_where_wide_rounds_share_the_experts_they_stream_the_governor_goes_wide(
     pooled = sum(run(seed, False) for seed in range(6)) / 6
     assert by_width >= 0.9 * rates[16]
     assert pooled < 0.85 * rates[16]
+
+
+def test_where_every_round_streams_the_governor_follows_a_faster_link_and_back():
+    # a slow link, then one 10x faster, then slow again, 80 rounds each (fixed k = 16 is the best
+    # in each): the mean over six draws of the rate after each phase's first 20 rounds is >= 0.9x
+    # the best fixed k's. The rates by width are made non-increasing: a line through them, tried
+    # first, took a slope from the few rounds since the change and held k = 2-4 on the fast link
+    # (0.875x over twelve draws)
+    phases = [(22e-3, 0.4e-3), (2.2e-3, 0.04e-3), (22e-3, 0.4e-3)]
+
+    def machine(seed: int, first_wait: float, wait_fall: float) -> SharedStreamMachine:
+        return SharedStreamMachine(0.98, 0.0, per_expert=1.1e-3, draft=3.3e-3, host=1e-3, first_wait=first_wait,
+                                   wait_fall=wait_fall, seed=seed)
+
+    best = [fixed_rate(machine(99, *phase), 16, 2000) for phase in phases]
+    rates: list[list[float]] = [[], [], []]
+    for seed in range(6):
+        governor = RooflineGovernor(k=4, k_max=16, cache_slots_per_layer=4.0)
+        for index, phase in enumerate(phases):
+            link, tokens, seconds = machine(seed, *phase), 0.0, 0.0
+            for i in range(80):
+                k = governor.next_k()
+                accepted, timings = link.round(k)
+                governor.observe(drafted=k, accepted=accepted, **timings)
+                if i >= 20:
+                    tokens, seconds = tokens + 1 + accepted, seconds + timings["round_s"]
+            rates[index].append(tokens / seconds / best[index])
+    assert all(sum(phase) / len(phase) >= 0.9 for phase in rates), rates
