@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from specter.decode.roofline_fit import cost_curve, distinct_experts
+from specter.decode.roofline_fit import cost_curve, distinct_experts, interpolate, monotone
 
 MAX_SAMPLES = 96  # the drafted rounds the verify cost is fitted through (the most recent)
 OWN_FIT_WIDTHS = 3  # after a change of conditions, the rounds since are fitted alone from this many widths on
@@ -82,18 +82,6 @@ def _state(samples: deque, now: int, changed_at: int) -> tuple:
     """What a model's cached answer depends on: the round, the last change, and its samples
     (a bounded deque: its length and last entry tell whether one was added)."""
     return now, changed_at, len(samples), samples[-1] if samples else None
-
-
-def _non_increasing(points: list[tuple[int, float, float]]) -> dict[int, float]:
-    """The non-increasing values closest to (x, y, weight) points in weighted least squares
-    (isotonic regression, pooling adjacent violators), by x."""
-    blocks: list[tuple[list[int], float, float]] = []  # (xs, mean, weight)
-    for x, y, w in sorted(points):
-        blocks.append(([x], y, w))
-        while len(blocks) > 1 and blocks[-2][1] < blocks[-1][1]:
-            (xs, mean, weight), (xs2, mean2, weight2) = blocks[-2], blocks.pop()
-            blocks[-1] = (xs + xs2, (mean * weight + mean2 * weight2) / (weight + weight2), weight + weight2)
-    return {x: mean for xs, mean, _ in blocks for x in xs}
 
 
 class WaitPerToken:
@@ -116,15 +104,7 @@ class WaitPerToken:
         rates made non-increasing in the width (isotonic regression, each width weighted by its
         rounds' age weights times the width), linear between them, flat beyond them."""
         self._update(now, changed_at)
-        rates = self._by_width
-        if not rates:
-            return self._value
-        widths = sorted(rates)
-        if width <= widths[0] or width >= widths[-1]:
-            return rates[widths[0] if width <= widths[0] else widths[-1]]
-        above = next(t for t in widths if t >= width)
-        below = widths[widths.index(above) - 1]
-        return rates[below] + (rates[above] - rates[below]) * (width - below) / (above - below)
+        return interpolate(self._by_width, width) if self._by_width else self._value
 
     def _update(self, now: int, changed_at: int) -> None:
         key = _state(self.samples, now, changed_at)
@@ -132,15 +112,17 @@ class WaitPerToken:
             return
         since = [sample for sample in self.samples if sample[2] >= changed_at]
         samples = since if len(since) >= OWN_WAIT_ROUNDS else self.samples
-        weights = [_age_weight(now, r) for _, _, r in samples]
-        widths = sum(w * t for w, (t, _, _) in zip(weights, samples))
-        waits = sum(w * v for w, (_, v, _) in zip(weights, samples))
-        self._key, self._value = key, waits / widths if widths else None
-        tokens: dict[int, float] = {}
+        tokens: dict[int, float] = {}  # by width: age-weighted verified tokens and their waits
         waited: dict[int, float] = {}
-        for w, (t, v, _) in zip(weights, samples):
+        for t, v, r in samples:
+            w = _age_weight(now, r)
             tokens[t], waited[t] = tokens.get(t, 0.0) + w * t, waited.get(t, 0.0) + w * v
-        self._by_width = _non_increasing([(t, waited[t] / tokens[t], tokens[t]) for t in tokens if tokens[t] > 0])
+        total = sum(tokens.values())
+        self._key, self._value = key, sum(waited.values()) / total if total else None
+        widths = sorted(t for t in tokens if tokens[t] > 0)
+        # non-increasing in the width: the isotonic regression of the negated rates
+        falling = monotone([-waited[t] / tokens[t] for t in widths], [tokens[t] for t in widths])
+        self._by_width = {t: -rate for t, rate in zip(widths, falling)}
 
 
 class VerifyCost:

@@ -100,16 +100,16 @@ def interpolate(points: dict[int, float], x: int) -> float:
     return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
 
 
-def monotone(points: list[float]) -> list[float]:
-    """The non-decreasing sequence closest to ``points`` in least squares (isotonic regression,
-    pooling adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for value in points:
-        blocks.append([value, 1.0])
+def monotone(points: list[float], weights: list[float] | None = None) -> list[float]:
+    """The non-decreasing sequence closest to ``points`` in least squares, each point weighted by
+    ``weights`` (default 1) (isotonic regression, pooling adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for value, weight in zip(points, weights or [1.0] * len(points)):
+        blocks.append([value, weight, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
-            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
-    return [mean for mean, count in blocks for _ in range(int(count))]
+            (m1, w1, n1), (m2, w2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return [mean for mean, _, count in blocks for _ in range(int(count))]
 
 
 class Ema:

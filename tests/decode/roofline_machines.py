@@ -72,35 +72,30 @@ class WaitingMachine(Machine):
         self.waits = random.Random(1)
 
     def mean_verify_s(self, width: int) -> float:
-        return distinct_experts(width, 16, 2) * 4 * (self.per_expert + self.io * 0.3) + self.wait_per_token * width
+        return distinct_experts(width, 16, 2) * 4 * (self.per_expert + self.io * 0.3) + self.mean_wait_per_token(width) * width
+
+    def mean_wait_per_token(self, tokens: int) -> float:
+        return self.wait_per_token
 
     def round(self, k: int) -> tuple[int, dict]:
         accepted, timings = super().round(k)
         tokens = k + 1 if k else 3  # nothing drafted hides a plain round's transfers
-        wait = self.waits.expovariate(1.0) * self.wait_per_token * tokens
+        wait = self.waits.expovariate(1.0) * self.mean_wait_per_token(tokens) * tokens
         timings.update(verify_s=timings["verify_s"] + wait, verify_io_wait_s=wait,
                        round_s=timings["round_s"] + wait)
         return accepted, timings
 
 
-class SharedStreamMachine(Machine):
-    """``Machine`` where every round streams its experts through a small cache over a slow link
-    (the widened model at 25% on 2 GB/s): a round waits ``wait_per_token(T) * T`` on average,
-    scattered as ``WaitingMachine``'s, and the wait per token falls with the width, as the tokens
-    of a wide round share the experts they stream (measured there: 20-22 ms a verified token for
-    k = 1..8, 17 at k = 12, 15 at k = 16). The engine reports the wait inside ``verify_s``."""
+class SharedStreamMachine(WaitingMachine):
+    """``WaitingMachine`` where every round streams its experts through a small cache over a slow
+    link (the widened model at 25% on 2 GB/s): the mean wait per token falls with the width, from
+    ``first_wait`` by ``wait_fall`` a token, as the tokens of a wide round share the experts they
+    stream (measured there: 20-22 ms a verified token for k = 1..8, 17 at k = 12, 15 at k = 16)."""
 
     def __init__(self, *args, first_wait: float = 22e-3, wait_fall: float = 0.4e-3, seed: int = 0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, wait_per_token=first_wait, **kwargs)
         self.first_wait, self.wait_fall = first_wait, wait_fall
         self.rng, self.waits = random.Random(seed), random.Random(seed + 1000)
 
-    def wait_per_token(self, tokens: int) -> float:
+    def mean_wait_per_token(self, tokens: int) -> float:
         return max(0.0, self.first_wait - self.wait_fall * tokens)
-
-    def round(self, k: int) -> tuple[int, dict]:
-        accepted, timings = super().round(k)
-        tokens = k + 1 if k else 3  # nothing drafted hides a plain round's transfers
-        wait = self.waits.expovariate(1.0) * self.wait_per_token(tokens) * tokens
-        timings.update(verify_s=timings["verify_s"] + wait, verify_io_wait_s=wait, round_s=timings["round_s"] + wait)
-        return accepted, timings

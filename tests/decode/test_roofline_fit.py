@@ -76,6 +76,8 @@ def test_interpolate_is_piecewise_linear_and_flat_beyond_its_points():
 def test_monotone_pools_adjacent_violators():
     assert monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert monotone([2.0, 1.0]) == [1.5, 1.5]
+    assert monotone([2.0, 1.0], [3.0, 1.0]) == [1.75, 1.75]  # a pool is its points' weighted mean
+    assert monotone([1.0, 3.0, 2.0], [1.0, 1.0, 3.0]) == [1.0, 2.25, 2.25]
 
 
 def test_ema_starts_at_its_first_sample_and_takes_a_larger_weight_when_given_one():
