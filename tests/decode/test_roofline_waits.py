@@ -7,7 +7,19 @@ import random
 
 from specter.decode.roofline import RooflineGovernor, calibration_rounds
 
-from roofline_machines import SharedStreamMachine, WaitingMachine, fixed_rate
+from roofline_machines import SharedStreamMachine, WaitingMachine, drive, fixed_rate
+
+
+def cell(seed: int, first_wait: float = 22e-3, wait_fall: float = 0.4e-3) -> SharedStreamMachine:
+    """A bench-governor cell where every round streams (25% of the widened model's experts, 2 GB/s
+    link by default): acceptance 0.98, a 3.3 ms draft step."""
+    return SharedStreamMachine(0.98, 0.0, per_expert=1.1e-3, draft=3.3e-3, host=1e-3, first_wait=first_wait,
+                               wait_fall=wait_fall, seed=seed)
+
+
+def rate(log: list[tuple[int, float]]) -> float:
+    """Tokens per second over ``drive``'s (tokens, round seconds) log."""
+    return sum(tokens for tokens, _ in log) / sum(seconds for _, seconds in log)
 
 
 def test_scattered_waits_reported_apart_leave_every_width_predicted_by_its_mean():
@@ -51,7 +63,7 @@ def test_where_every_round_streams_the_calibration_measures_the_widest_k_too():
 def test_where_wide_rounds_share_the_experts_they_stream_the_governor_goes_wide():
     # 25% of the widened model's experts on a 2 GB/s link, as a bench cell runs it (60 rounds):
     # k = 16 is 1.2x k = 4, and the wait per token falls with the width. Waits followed by width
-    # (a line through the measured widths) after a calibration that measures k_max: mean 0.95x
+    # (the widths' rates made non-increasing) after a calibration that measures k_max: mean 0.95x
     # the best fixed k over six draws; with the waits pooled per token whatever the width and no
     # k_max in the calibration, the governor held k = 1 for most rounds: 0.77x
     def run(seed: int, by_width: bool) -> float:
@@ -59,17 +71,11 @@ def test_where_wide_rounds_share_the_experts_they_stream_the_governor_goes_wide(
         if not by_width:
             governor._calibration = calibration_rounds(4, 16)
             governor.wait.by_width = lambda width, now, changed_at: governor.wait.value(now, changed_at)
-        machine = SharedStreamMachine(0.98, 0.0, per_expert=1.1e-3, draft=3.3e-3, host=1e-3, seed=seed)
-        tokens = seconds = 0.0
-        for _ in range(60):
-            k = governor.next_k()
-            accepted, timings = machine.round(k)
-            governor.observe(drafted=k, accepted=accepted, **timings)
-            tokens, seconds = tokens + 1 + accepted, seconds + timings["round_s"]
-        return tokens / seconds
+        log: list[tuple[int, float]] = []
+        drive(governor, cell(seed), 60, log)
+        return rate(log)
 
-    reference = SharedStreamMachine(0.98, 0.0, per_expert=1.1e-3, draft=3.3e-3, host=1e-3, seed=99)
-    rates = {k: fixed_rate(reference, k, 3000) for k in (4, 8, 16)}
+    rates = {k: fixed_rate(cell(99), k, 3000) for k in (4, 8, 16)}
     assert rates[16] > 1.15 * rates[4]
     by_width = sum(run(seed, True) for seed in range(6)) / 6
     pooled = sum(run(seed, False) for seed in range(6)) / 6
@@ -84,22 +90,12 @@ def test_where_every_round_streams_the_governor_follows_a_faster_link_and_back()
     # first, took a slope from the few rounds since the change and held k = 2-4 on the fast link
     # (0.875x over twelve draws)
     phases = [(22e-3, 0.4e-3), (2.2e-3, 0.04e-3), (22e-3, 0.4e-3)]
-
-    def machine(seed: int, first_wait: float, wait_fall: float) -> SharedStreamMachine:
-        return SharedStreamMachine(0.98, 0.0, per_expert=1.1e-3, draft=3.3e-3, host=1e-3, first_wait=first_wait,
-                                   wait_fall=wait_fall, seed=seed)
-
-    best = [fixed_rate(machine(99, *phase), 16, 2000) for phase in phases]
+    best = [fixed_rate(cell(99, *phase), 16, 2000) for phase in phases]
     rates: list[list[float]] = [[], [], []]
     for seed in range(6):
         governor = RooflineGovernor(k=4, k_max=16, cache_slots_per_layer=4.0)
         for index, phase in enumerate(phases):
-            link, tokens, seconds = machine(seed, *phase), 0.0, 0.0
-            for i in range(80):
-                k = governor.next_k()
-                accepted, timings = link.round(k)
-                governor.observe(drafted=k, accepted=accepted, **timings)
-                if i >= 20:
-                    tokens, seconds = tokens + 1 + accepted, seconds + timings["round_s"]
-            rates[index].append(tokens / seconds / best[index])
+            log: list[tuple[int, float]] = []
+            drive(governor, cell(seed, *phase), 80, log)
+            rates[index].append(rate(log[20:]) / best[index])
     assert all(sum(phase) / len(phase) >= 0.9 for phase in rates), rates
