@@ -17,17 +17,16 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   (``always_streams``) its rate at T (``by_width``); the rest follows ``VerifyCost``
   (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
   rounds, of the experts read, the tokens and (for an engine that reports no waits) the experts
-  streamed past the cache's slots (a round's time depends on the width before it,
-  so one width's average reads wrong; a transition, the first round at a new k, which finds the
-  cache holding what the previous k needed, counts ``TRANSITION_WEIGHT`` of a steady round: on
-  the 2 GB/s link at 50% a k = 2 round right after k = 1 ones took 97-113 ms, the next one
-  45-100); rounds since conditions last changed (``CHANGE_FACTOR``) count alone once they span
-  three widths (until then they scale the fit through the rounds before); the curve is
-  non-decreasing in T. A plain round (T = 1) keeps its own moving average (moved further by a
-  sample more than ``CHANGE_FACTOR`` off or after a long gap). The governor's first round is not
-  measured (the cache holds what the prefill left). With no drafted round yet, widths scale from
-  T = 1 by distinct experts; with no measurement at all, ``V(T) = distinct(T) / distinct(1)``
-  target steps, a target step being estimated as ``t_draft / draft_ratio``.
+  streamed past the cache's slots (a round's time depends on the width before it, so one
+  width's average reads wrong; a transition, the first round at a new k, which finds the cache
+  holding what the previous k needed, counts ``TRANSITION_WEIGHT`` of a steady round: on the
+  2 GB/s link at 50% a k = 2 round right after k = 1 ones took 97-113 ms, the next one 45-100);
+  rounds since conditions last changed count alone once they span three widths (until then
+  they scale the fit through the rounds before); the curve is non-decreasing in T. A plain
+  round (T = 1) keeps its own average (``PlainRound``). The first round is not measured. With
+  no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at
+  all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being ``t_draft /
+  draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
   and within ``frontier()``: at most ``FRONTIER_STEP`` beyond the widest k measured, so wider
@@ -48,23 +47,15 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   after a probe whose first draft token was accepted (or rejected) against the odds, a probe
   that kept every draft while speculation is off (it also makes the acceptance estimate restart
   from its value, so the next observations move it fast and a draft that got good again is seen
-  within a few probes), or a round whose time was more than ``TIME_SURPRISE`` off its prediction
-  and more than ``SPREAD_MULT`` times the usual miss (a moving average of ``|log(measured /
-  predicted)|`` over chosen rounds: where rounds scatter, as on a slow link, a round as far off
-  as they usually are is noise, not news), the round before it having had the same k (the first
-  round at a new k pays for the cache contents the old k left, a cost the next round at that k
-  does not have: on the 2 GB/s link at 50% such rounds ran up to 2x their prediction and were
-  taken for a change of conditions, sending the governor to calibrate again). Such a round more
-  than ``CHANGE_FACTOR`` times off, at a width measured in a steady round (at the k of the round
-  before it) in the last ``STALE_HALF_LIFE`` rounds (far off an extrapolation, or off a fit that
-  holds a transition's time, says the fit was wrong, not that the machine changed), marks a
-  change of conditions (see ``V(T)``) and tries both neighbours of its k next. The first rounds
-  visit k0, then 0, 1 and 2 (and k_max where every round streams) twice each (the second round
-  at each k a steady one) to calibrate, and so do the first rounds after ``link_changed()``
-  (the engine moved to another link), which also marks a change. A plain round right after a
-  drafted one finds the draft's prefetches in the cache and would make k = 0 look cheap: once
-  the plain round has an average measured since the last change such a round is not measured,
-  and k = 0 is visited (calibrated or probed) for two rounds in a row.
+  within a few probes), or a chosen round that ``RoundWatch`` (``specter.decode.roofline_watch``)
+  finds off its prediction beyond the usual miss. Two rounds in a row far off the same way (a
+  lone one is held back, unlearnt, and dropped if the next runs as predicted) mark a change of
+  conditions (see ``V(T)``), and both neighbours of the k are tried next. The first rounds
+  visit k0, then 0, 1 and 2 (and k_max where every round streams) twice each to calibrate (the
+  second round at each k a steady one; after ``link_changed()`` see there). A plain round right
+  after a drafted one finds the draft's prefetches in the cache and would make k = 0 look cheap:
+  once the plain round has an average measured since the last change such a round is not
+  measured, and k = 0 is visited (calibrated or probed) for two rounds in a row.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s`` and the transfer waits within it ``verify_io_wait_s``, ``host_s``,
   ``draft_steps``); unknown names are ignored (an engine that reports no waits has them fitted
@@ -87,26 +78,19 @@ import statistics
 
 from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import Governor
-from specter.decode.roofline_cost import STALE_HALF_LIFE, VerifyCost, WaitPerToken
+from specter.decode.roofline_cost import STALE_HALF_LIFE, PlainRound, VerifyCost, WaitPerToken
 from specter.decode.roofline_fit import Ema, distinct_experts
+from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch
 
 log = logging.getLogger("specter.governor")
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
-TIME_SURPRISE = 0.35  # a round this far (relative) from its predicted time makes the governor look around
 FAR_PROBE_RANGE = 0.8  # far probes only try a k predicted within this fraction of the best rate
 OFF_PROBE_RANGE = 0.6  # ... while speculation is off (a draft that got good again must be tried)
-CHANGE_FACTOR = 2.0  # a time off by this factor (either way) means conditions changed, not noise
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
-SPREAD_MULT = 3.0  # a round no further off than this many times the typical miss is noise
 HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
 SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
 FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured
 TRANSITION_WEIGHT = 0.25  # how much the verify cost counts a round right after one at another k
-
-
-def changed(sample: float, reference: float) -> bool:
-    """Whether ``sample`` is more than ``CHANGE_FACTOR`` times off ``reference``, either way."""
-    return sample > CHANGE_FACTOR * reference or sample * CHANGE_FACTOR < reference
 
 
 def calibration_rounds(k0: int, k_max: int, widest: bool = False) -> list[int]:
@@ -135,13 +119,14 @@ class RooflineGovernor(Governor):
         self.draft_step = Ema(ema)
         self.extra_steps = 1  # draft steps per round beyond k (the engine's routing-only step)
         self.host = Ema(ema)
-        self.spread = Ema(ema)  # typical |log(measured / predicted)| of a round: the noise here
-        self.plain = Ema(ema)  # flush + verify seconds of a plain round (T = 1)
+        self.watch = RoundWatch(ema)  # a round's time against its prediction: noise, surprise, change
+        self.plain = PlainRound(ema)  # flush + verify seconds of a plain round (T = 1)
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
         self._steady_round: dict[int, int] = {}  # ... in a round at the same k as the round before
         self.cost = VerifyCost(n_experts, top_k, k_max, cache_slots_per_layer)  # drafted widths' verify seconds
         self.wait = WaitPerToken()  # ... and their transfer waits, per verified token
         self._changed_at = -1  # the round whose time showed that conditions changed
+        self._plain_since = -1  # ... or from which the plain round is the new link's (``link_changed``)
         self._previous_drafted = 0  # tokens the last observed round drafted
         self.rounds = 0
         self.last_k: int | None = None
@@ -296,84 +281,99 @@ class RooflineGovernor(Governor):
             kept_all_while_off = self._speculating is False and accepted == drafted
             if kept_all_while_off or abs(min(accepted, 1) - self.position_acceptance(1)) > SURPRISE:
                 self._interval, self._next_probe = self.probe_every, self.rounds + 2  # look again soon
-        # only a probe that kept every draft while speculation is off restarts the estimate (it
-        # argues for speculating again); a lone surprise is left to the estimate's own shift watch
+        # a probe keeping every draft while speculation is off restarts the estimate; a lone surprise is left to its shift watch
         self.acceptance.observe(drafted, accepted, kept_all_while_off)
+        after_draft, self._previous_drafted = self._previous_drafted, drafted
+        warm_plain = drafted == 0 and after_draft and self.verify_round.get(1, -1) >= max(self._plain_since, 0)
+        transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
+        first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
+        sample = (self.rounds, drafted, timings, transition, not (warm_plain or first))
+        verdict = self._judge(drafted, timings, transition)
+        if verdict == HOLD:
+            self.watch.hold(sample)  # learnt from only if the next round is as far off
+            return
+        if verdict == CHANGE:  # the machine or the link changed under the estimates
+            held = self.watch.take_held()
+            self._mark_change(held[0], {held[1] + 1, drafted + 1})
+            self._learn(*held)
+        self._learn(*sample)
+        if verdict in (LOOK, CHANGE):  # the estimates are off: look around soon
+            self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
+        if verdict == CHANGE and not self._calibration:
+            neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
+            self._calibration = [c for c in neighbours if c != drafted]
+
+    def _judge(self, drafted: int, timings: dict, transition: bool) -> str:
+        """Records the round's measured time and, for a chosen round, ``RoundWatch``'s verdict on
+        it (the prediction ``known`` where it stands on the width's own recent steady rounds)."""
+        if not self.history or "round_s" not in timings:
+            return NOISE
+        entry = self.history[-1]
+        entry["measured_round_s"] = timings["round_s"]
+        entry["trial"] = bool(timings.get("path_trial"))
+        entry["cut"] = entry["k"] != drafted  # the engine shortened the round (end of generation)
+        predicted = entry["predicted_round_s"]
+        if not predicted or entry["probe"] or entry["trial"] or entry["cut"]:
+            self.watch.drop_held()
+            return NOISE
+        last = self._steady_round.get(drafted + 1, -math.inf)
+        known = last >= self._changed_at and self.rounds - last <= STALE_HALF_LIFE
+        return self.watch.judge(timings["round_s"], predicted, transition, known)
+
+    def _learn(self, now: int, drafted: int, timings: dict, transition: bool, measured_verify: bool) -> None:
+        """Moves the estimates by one round's timings (``now``: the round it was)."""
         trial = bool(timings.get("path_trial"))  # a compiled path's trial: not what this k costs
         steps = int(timings.get("draft_steps", 0) or 0)
         if steps and "draft_s" in timings and not trial:
             self.draft_step.update(timings["draft_s"] / steps)
             if drafted:
                 self.extra_steps = max(0, steps - drafted)
-        after_draft, self._previous_drafted = self._previous_drafted, drafted
-        warm_plain = drafted == 0 and after_draft and self.verify_round.get(1, -1) >= max(self._changed_at, 0)
-        transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
-        # whether the prediction for this width stands on its own recent steady rounds, not on an
-        # extrapolation or a transition's time
-        last = self._steady_round.get(drafted + 1, -math.inf)
-        known = last >= self._changed_at and self.rounds - last <= STALE_HALF_LIFE
-        first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
-        if "verify_s" in timings and not warm_plain and not trial and not first:
+        if "verify_s" in timings and measured_verify and not trial:
             width, sample = drafted + 1, timings["verify_s"] + timings.get("flush_s", 0.0)
             if width > 1:
                 wait = 0.0
                 if "verify_io_wait_s" in timings:  # the waits pooled apart; the fit sees the rest
                     self.cost.waits_apart()
                     wait = min(sample, max(0.0, timings["verify_io_wait_s"]))
-                    self.wait.add(width, wait, self.rounds)
-                self.cost.add(width, sample - wait, self.rounds, TRANSITION_WEIGHT if transition else 1.0)
+                    self.wait.add(width, wait, now)
+                self.cost.add(width, sample - wait, now, TRANSITION_WEIGHT if transition else 1.0)
             else:
-                age = self.rounds - self.verify_round.get(1, self.rounds)
-                step = 1 - 0.5 ** (age / STALE_HALF_LIFE)  # an old average yields to a fresh sample
-                if self.plain.value and changed(sample, self.plain.value):
-                    step = max(step, 0.5)  # conditions changed (a rarely measured plain round must not lag far behind)
-                if self.verify_round.get(1, self._changed_at) < self._changed_at:
-                    step = 1.0  # its first sample since conditions changed: the old average is of other conditions
-                self.plain.update(sample, step)
-            self.verify_round[width] = self.rounds
+                self.plain.add(sample, now)
+            self.verify_round[width] = now
             if not transition:
-                self._steady_round[width] = self.rounds
+                self._steady_round[width] = now
         if "host_s" in timings:
             self.host.update(max(0.0, timings["host_s"]))
-        if self.history and "round_s" in timings:
-            entry = self.history[-1]
-            entry["measured_round_s"] = timings["round_s"]
-            predicted = entry["predicted_round_s"]
-            entry["trial"] = trial
-            if entry["k"] != drafted:  # the engine shortened the round (end of generation)
-                entry["cut"] = True
-            elif predicted and not entry["probe"] and not trial:
-                self._follow_up_surprise(timings["round_s"], predicted, drafted, transition, known)
 
-    def _follow_up_surprise(self, measured: float, predicted: float, drafted: int, transition: bool,
-                            known: bool) -> None:
-        miss = abs(math.log(measured / predicted))
-        typical = self.spread.value
-        self.spread.update(miss)
-        if transition:
-            return  # the first round at a new k pays for the cache contents the old k left: not news
-        if typical is not None and miss <= SPREAD_MULT * typical:
-            return  # as far off as rounds usually are here: noise, not news
-        if abs(measured - predicted) > TIME_SURPRISE * predicted:  # the estimates are off: look around soon
-            self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
-        if changed(measured, predicted) and known:  # off an extrapolation: the fit was wrong, not the machine
-            self._changed_at = self.rounds
-            # the machine or the link changed under the estimates: the first new sample of every
-            # other width replaces most of its average, and both neighbours are tried next
-            for width in self.verify_round:
-                if width != drafted + 1:
-                    self.verify_round[width] = min(self.verify_round[width], self.rounds - 4 * STALE_HALF_LIFE)
-            if not self._calibration:
-                neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
-                self._calibration = [c for c in neighbours if c != drafted]
+    def _mark_change(self, at: int, widths: set[int]) -> None:
+        """Conditions changed at round ``at``: the first new sample of every width but ``widths``
+        replaces most of its average."""
+        self._changed_at = self._plain_since = at
+        self.plain.restart()
+        for width in self.verify_round:
+            if width not in widths:
+                self.verify_round[width] = min(self.verify_round[width], at - 4 * STALE_HALF_LIFE)
 
     def link_changed(self) -> None:
-        """Conditions changed by the engine's own account: treated as a round showing a change
-        (every width measured so far stands on the fit through those measured from now on, and
-        is replaced by its next sample), and the first rounds calibrate again."""
-        self._changed_at = self.rounds + 1
-        self._calibration = calibration_rounds(self.k0, self.k_max, self.always_streams())
+        """The engine moved to another link. Where it reports its transfer waits apart, only they
+        and the plain round (nothing drafted to hide its loads behind) are the link's: the waits
+        restart from the rounds after this one, the plain round is measured again (twice: the first,
+        right after a drafted round, is warm) and, where every round streams, so is k_max (the waits
+        by width); the verification's compute and the draft step are the machine's and stay. An
+        engine that reports no waits has them in the fit: that is treated as a round showing a
+        change (every width measured so far stands on the fit through those measured from now on,
+        and is replaced by its next sample), and the first rounds calibrate again."""
+        self.watch.drop_held()
         self._interval, self._next_probe = self.probe_every, self.rounds + self.probe_every
+        if self.wait.samples:
+            self.wait = WaitPerToken()
+            self._plain_since = self.rounds + 1
+            self.plain.restart()
+            self._calibration = [0, 0, *([self.k_max] if self.always_streams() else [])]
+            return
+        self._changed_at = self._plain_since = self.rounds + 1
+        self.plain.restart()
+        self._calibration = calibration_rounds(self.k0, self.k_max, self.always_streams())
 
     def new_report(self) -> None:
         self._report_from = len(self.history)

@@ -64,7 +64,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from specter.decode.roofline_fit import cost_curve, distinct_experts, interpolate, monotone
+from specter.decode.roofline_fit import Ema, cost_curve, distinct_experts, interpolate, monotone
+from specter.decode.roofline_watch import changed
 
 MAX_SAMPLES = 96  # the drafted rounds the verify cost is fitted through (the most recent)
 OWN_FIT_WIDTHS = 3  # after a change of conditions, the rounds since are fitted alone from this many widths on
@@ -82,6 +83,35 @@ def _state(samples: deque, now: int, changed_at: int) -> tuple:
     """What a model's cached answer depends on: the round, the last change, and its samples
     (a bounded deque: its length and last entry tell whether one was added)."""
     return now, changed_at, len(samples), samples[-1] if samples else None
+
+
+class PlainRound:
+    """The flush + verify seconds of a plain round (T = 1): a running mean of the samples since
+    ``restart()`` (conditions or the link changed: the old average is of other conditions), then
+    a moving average whose step grows with the rounds since the last sample (an old average
+    yields to a fresh sample) and is at least 0.5 for a sample ``changed`` from it (a rarely
+    measured plain round must not lag far behind)."""
+
+    def __init__(self, ema: float) -> None:
+        self.average = Ema(ema)
+        self.samples = 0  # since the last restart
+        self.last_round: int | None = None
+
+    @property
+    def value(self) -> float | None:
+        return self.average.value
+
+    def restart(self) -> None:
+        self.samples = 0
+
+    def add(self, seconds: float, now: int) -> None:
+        age = now - (now if self.last_round is None else self.last_round)
+        step = 1 - _age_weight(now, now - age)
+        if self.average.value and changed(seconds, self.average.value):
+            step = max(step, 0.5)
+        self.samples += 1
+        self.average.update(seconds, max(step, 1 / self.samples))
+        self.last_round = now
 
 
 class WaitPerToken:

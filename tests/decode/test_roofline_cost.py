@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specter.decode.roofline_cost import OWN_WAIT_ROUNDS, VerifyCost, WaitPerToken
+from specter.decode.roofline_cost import OWN_WAIT_ROUNDS, STALE_HALF_LIFE, PlainRound, VerifyCost, WaitPerToken
 from specter.decode.roofline_fit import distinct_experts
 
 
@@ -84,3 +84,24 @@ def test_waits_by_width_fall_with_the_width_as_measured_and_never_rise():
         rising.add(width, per_token * width, i)
     pooled = rising.value(now=4, changed_at=-1)
     assert all(rising.by_width(t, now=4, changed_at=-1) == pytest.approx(pooled) for t in (2, 9, 17))
+
+
+def test_the_plain_round_is_a_running_mean_since_a_restart_then_a_moving_average():
+    plain = PlainRound(0.25)
+    for now, seconds in enumerate((10.0, 20.0, 30.0)):
+        plain.add(seconds, now)
+    assert plain.value == pytest.approx(20.0)  # each sample counts alike since the start
+    plain.add(40.0, 3)
+    assert plain.value == pytest.approx(25.0)  # from the fourth on, the moving average's own step (0.25)
+    plain.restart()
+    plain.add(100.0, 4)
+    assert plain.value == pytest.approx(100.0)  # after a restart the old average is of other conditions
+    plain.add(90.0, 5)
+    assert plain.value == pytest.approx(95.0)
+    plain.add(90.0, 6)
+    assert plain.value == pytest.approx(280.0 / 3)
+    plain.add(60.0, 6 + 4 * STALE_HALF_LIFE)  # after a long gap the old average yields 15/16 of the way
+    assert plain.value == pytest.approx(280.0 / 3 - 15 / 16 * (280.0 / 3 - 60.0))
+    before = plain.value
+    plain.add(3 * before, 7 + 4 * STALE_HALF_LIFE)  # 3x off the average: moved at least half way
+    assert plain.value >= 2 * before
