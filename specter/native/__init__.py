@@ -15,6 +15,10 @@ Contract:
   (``specter.kernels.native_rows``: full-precision experts, the draft's norms and projections);
   ``stream_copy`` (``specter.memory.stream_copy``, the links' large host copies) mutates its
   destination and is not called from compiled graphs.
+- A build lock (torch's ``lock`` file in the build directory) older than ``STALE_LOCK_S`` is
+  a killed process's (a build takes about 20 s): it is removed with a warning, where torch would
+  wait for it forever (a bench killed while it loaded the extension left one here, and the
+  next run hung without a word).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -33,6 +38,7 @@ from torch import Tensor
 log = logging.getLogger("specter.native")
 NAME = "specter_native"
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemv.cpp", "grouped_rows.cpp", "stream_copy.cpp")]
+STALE_LOCK_S = 300.0
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "reason": None once built and usable, else why not
 
@@ -47,7 +53,9 @@ def _build() -> str | None:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         _put_ninja_on_path()
-        built = (Path(_get_build_directory(NAME, verbose=False)) / f"{NAME}.so").exists()
+        directory = Path(_get_build_directory(NAME, verbose=False))
+        clear_stale_build_lock(directory)
+        built = (directory / f"{NAME}.so").exists()
         (log.info if built else log.warning)("building Specter's native CPU kernels (once per machine, about 20 s) ...")
         load(NAME, [str(source) for source in SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma"],
              is_python_module=False, verbose=False)
@@ -59,6 +67,21 @@ def _build() -> str | None:
     torch.library.register_fake("specter_native::int4_glu_token")(_fake_int4_glu_token)
     torch.library.register_fake("specter_native::normed_rows")(_fake_normed_rows)
     return None
+
+
+def clear_stale_build_lock(directory: Path, now: float | None = None) -> bool:
+    """Removes ``directory``'s build lock if it is older than ``STALE_LOCK_S``; True if it did."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        log.warning("waiting for another process's build of Specter's native kernels (%s)", lock)
+        return False
+    log.warning("removing a stale build lock, %.0f s old, left by an interrupted build: %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _put_ninja_on_path() -> None:
