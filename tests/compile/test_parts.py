@@ -93,3 +93,41 @@ def test_run_judges_a_path_by_its_time_less_the_transfer_wait_it_added():
     plain = PathChooser()
     ran = [plain.run(5, fused, layered) for _ in range(2 * PathChooser.TRIALS + 2)]
     assert ran[-2:] == ["layered", "layered"]
+
+
+def settle(chooser: PathChooser, width: int, seconds: dict[str, float]) -> None:
+    for _ in range(2 * PathChooser.TRIALS):
+        path = chooser.choose(width)
+        chooser.observe(width, path, seconds[path])
+
+
+def test_a_new_width_starts_from_the_nearest_settled_width_and_tries_the_other_path_at_rechecks():
+    chooser = PathChooser()
+    settle(chooser, 5, {"fused": 0.010, "layered": 0.020})
+    trials_before = chooser.trials
+    chosen = []
+    for _ in range(PathChooser.RECHECK):
+        path = chooser.choose(7)
+        chooser.observe(7, path, {"fused": 0.012, "layered": 0.024}[path])
+        chosen.append(path)
+    assert chosen == ["fused"] * (PathChooser.RECHECK - 1) + ["layered"]  # no trials before the recheck
+    assert chooser.trials == trials_before + 1
+    assert chooser.choose(7) == "fused"
+
+
+def test_a_new_width_follows_its_own_measurements_once_it_has_both():
+    # the guide says fused, but at this width layered is faster: the first recheck shows it
+    chooser = PathChooser()
+    settle(chooser, 2, {"fused": 0.010, "layered": 0.020})
+    chosen = []
+    for _ in range(PathChooser.RECHECK + 3):
+        path = chooser.choose(9)
+        chooser.observe(9, path, {"fused": 0.030, "layered": 0.015}[path])
+        chosen.append(path)
+    assert chosen[PathChooser.RECHECK - 1:] == ["layered"] * 4
+
+
+def test_the_draft_key_never_borrows_a_target_widths_verdict():
+    chooser = PathChooser()
+    settle(chooser, 3, {"fused": 0.010, "layered": 0.020})
+    assert [chooser.choose(0) for _ in range(2)] == ["layered", "layered"]  # its own trials, layered first
