@@ -95,10 +95,8 @@ class PathChooser:
     expert is missing (it reads each distinct expert once with the native grouped kernel, else
     once per (token, slot) pair), while the layered path runs the host between compiled pieces
     and reads each distinct expert once; which wins
-    depends on the cache, the link and the expert size. The first target width tries both paths
-    ``TRIALS`` times (later ones start from the nearest such width's verdict, ``_guide``: a
-    governor that moves k meets up to 17 widths, and trials were a quarter of a compiled bundled
-    run's rounds), then takes the one with the lower median of its last ``WINDOW`` step times (a median:
+    depends on the cache, the link and the expert size. Each width tries both paths ``TRIALS``
+    times, then takes the one with the lower median of its last ``WINDOW`` step times (a median:
     one slow early step, e.g. beside a burst of copies, must not hide the faster path until the
     next recheck), trying the other path again every ``RECHECK`` steps of that width (the
     layered path first: it is the eager engine's own). ``trials`` counts
@@ -136,27 +134,13 @@ class PathChooser:
     def choose(self, width: int) -> str:
         step = self.steps[width] = self.steps.get(width, 0) + 1
         fused, layered = self.counts.get((width, "fused"), 0), self.counts.get((width, "layered"), 0)
-        guide = None if min(fused, layered) >= self.TRIALS else self._guide(width)
-        if min(fused, layered) < self.TRIALS and guide is None:
+        if min(fused, layered) < self.TRIALS:
             path = "layered" if layered <= fused else "fused"
         else:
-            best = guide if min(fused, layered) == 0 else min(("fused", "layered"), key=lambda path: self.seconds[(width, path)])
+            best = min(("fused", "layered"), key=lambda path: self.seconds[(width, path)])
             path = ("layered" if best == "fused" else "fused") if step % self.RECHECK == 0 else best
         self.trials += self._known_slower(width, path)
         return path
-
-    def _guide(self, width: int) -> str | None:
-        """The faster path at the nearest target width whose paths have both had their trials
-        (None for the draft key, or when there is none): a new width starts from it and tries
-        the other path only at its rechecks, instead of ``TRIALS`` steps of each."""
-        if width < 1:
-            return None
-        settled = [w for w in self.steps if w >= 1 and w != width
-                   and min(self.counts.get((w, "fused"), 0), self.counts.get((w, "layered"), 0)) >= self.TRIALS]
-        if not settled:
-            return None
-        nearest = min(settled, key=lambda w: (abs(w - width), w))
-        return min(("fused", "layered"), key=lambda path: self.seconds[(nearest, path)])
 
     def _known_slower(self, width: int, path: str) -> bool:
         mine = self.seconds.get((width, path))
