@@ -126,7 +126,6 @@ class RooflineGovernor(Governor):
         self.cost = VerifyCost(n_experts, top_k, k_max, cache_slots_per_layer)  # drafted widths' verify seconds
         self.wait = WaitPerToken()  # ... and their transfer waits, per verified token
         self._changed_at = -1  # the round whose time showed that conditions changed
-        self._plain_since = -1  # ... or from which the plain round is the new link's (``link_changed``)
         self._previous_drafted = 0  # tokens the last observed round drafted
         self.rounds = 0
         self.last_k: int | None = None
@@ -284,7 +283,7 @@ class RooflineGovernor(Governor):
         # a probe keeping every draft while speculation is off restarts the estimate; a lone surprise is left to its shift watch
         self.acceptance.observe(drafted, accepted, kept_all_while_off)
         after_draft, self._previous_drafted = self._previous_drafted, drafted
-        warm_plain = drafted == 0 and after_draft and self.verify_round.get(1, -1) >= max(self._plain_since, 0)
+        warm_plain = drafted == 0 and after_draft and self.plain.samples > 0  # measured since the last restart
         transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
         first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
         sample = (self.rounds, drafted, timings, transition, not (warm_plain or first))
@@ -348,7 +347,7 @@ class RooflineGovernor(Governor):
     def _mark_change(self, at: int, widths: set[int]) -> None:
         """Conditions changed at round ``at``: the first new sample of every width but ``widths``
         replaces most of its average."""
-        self._changed_at = self._plain_since = at
+        self._changed_at = at
         self.plain.restart()
         for width in self.verify_round:
             if width not in widths:
@@ -365,15 +364,13 @@ class RooflineGovernor(Governor):
         and is replaced by its next sample), and the first rounds calibrate again."""
         self.watch.drop_held()
         self._interval, self._next_probe = self.probe_every, self.rounds + self.probe_every
+        self.plain.restart()
         if self.wait.samples:
             self.wait = WaitPerToken()
-            self._plain_since = self.rounds + 1
-            self.plain.restart()
             self._calibration = [0, 0, *([self.k_max] if self.always_streams() else [])]
-            return
-        self._changed_at = self._plain_since = self.rounds + 1
-        self.plain.restart()
-        self._calibration = calibration_rounds(self.k0, self.k_max, self.always_streams())
+        else:
+            self._changed_at = self.rounds + 1
+            self._calibration = calibration_rounds(self.k0, self.k_max, self.always_streams())
 
     def new_report(self) -> None:
         self._report_from = len(self.history)

@@ -105,8 +105,7 @@ class PlainRound:
         self.samples = 0
 
     def add(self, seconds: float, now: int) -> None:
-        age = now - (now if self.last_round is None else self.last_round)
-        step = 1 - _age_weight(now, now - age)
+        step = 0.0 if self.last_round is None else 1 - _age_weight(now, self.last_round)
         if self.average.value and changed(seconds, self.average.value):
             step = max(step, 0.5)
         self.samples += 1
