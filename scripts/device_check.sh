@@ -31,15 +31,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 "$py" -c "import torch, specter; print('torch', torch.__version__, 'specter', specter.__version__)"
 tests_rc=0
 mapfile -t gpu_files < <(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
-timeout 180 "$py" -m pytest -q -m gpu -p no:cacheprovider -rs "${gpu_files[@]}" 2>&1 | tee "$out/gpu_tests.log"
+timeout 150 "$py" -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs "${gpu_files[@]}" 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" -eq 0 ] || echo "gpu tests: FAILED (rc=$tests_rc)"
-timeout 80 "$py" scripts/gpu_bench.py --layers 8 --experts 8 --budget 0.25 --tokens 32 2>&1 | tee "$out/gpu_bench.log"
+timeout 70 "$py" scripts/gpu_bench.py --layers 8 --experts 8 --budget 0.25 --tokens 32 2>&1 | tee "$out/gpu_bench.log"
 links='{"local": {"kind": "local"}, "cuda": {"kind": "cuda"}}'
 timeout 130 "$py" -m specter.bench recipes/bench-proxy.yaml --set max_new_tokens=16 --repeats 1 --twins "" \
   --compile eager --links "$links" --out "$out/bench-eager" --no-plots 2>&1 | tee "$out/bench_eager.log"
 timeout 130 "$py" -m specter.bench recipes/bench-proxy.yaml --set max_new_tokens=16 --repeats 1 --twins "" \
-  --compile compiled --budgets 0.5 --k 4 --links '{"cuda": {"kind": "cuda"}}' --out "$out/bench-compiled" \
+  --compile compiled --budgets 0.5 --k 4 --engines resident,ondemand,specter --links '{"cuda": {"kind": "cuda"}}' --out "$out/bench-compiled" \
   --no-plots 2>&1 | tee "$out/bench_compiled.log"
 [ -z "${OUT:-}" ] || rm -f "$out"/bench-*/*.md  # the logs hold the same tables; at most 8 files come back from a device call
 exit "$tests_rc"

@@ -148,7 +148,9 @@ def offload(
     from specter.experts.runtime import ExpertRuntime, install
     from specter.model.loader import split_experts
     from specter.plugins import registry
+    from specter.model.compat import require_supported_transformers
 
+    require_supported_transformers()
     device = next(p.device for p in model.parameters())
     link_spec = {"kind": link} if isinstance(link, str) else dict(link)
     recipe = load_recipe({"offload": {"expert_budget": expert_budget, "link": link_spec,

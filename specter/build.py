@@ -23,6 +23,7 @@ import torch
 from specter.compile.lean_draft import use_lean_draft
 from specter.decode.engine import Engine
 from specter.errors import SpecterError
+from specter.model.compat import require_supported_transformers
 from specter.model.loader import DTYPES, checkpoint_dir, load_model, load_tokenizer
 from specter.decode.governor import Governor
 from specter.memory.budget import budget_slots
@@ -160,6 +161,7 @@ class EngineParts:
 
 def build_engine(recipe) -> Engine:
     """The recipe's engine, loaded, its caches sized, compiled and warmed up if asked."""
+    require_supported_transformers()
     torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
     parts = EngineParts(recipe)
