@@ -34,7 +34,7 @@ mapfile -t gpu_files < <(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
 timeout 150 "$py" -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs "${gpu_files[@]}" 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" -eq 0 ] || echo "gpu tests: FAILED (rc=$tests_rc)"
-timeout 70 "$py" scripts/gpu_bench.py --layers 8 --experts 8 --budget 0.25 --tokens 32 2>&1 | tee "$out/gpu_bench.log"
+timeout 90 "$py" scripts/gpu_bench.py --layers 8 --experts 8 --budget 0.25 --tokens 32 2>&1 | tee "$out/gpu_bench.log"
 links='{"local": {"kind": "local"}, "cuda": {"kind": "cuda"}}'
 timeout 130 "$py" -m specter.bench recipes/bench-proxy.yaml --set max_new_tokens=16 --repeats 1 --twins "" \
   --compile eager --links "$links" --out "$out/bench-eager" --no-plots 2>&1 | tee "$out/bench_eager.log"

@@ -95,9 +95,10 @@ TRANSITION_WEIGHT = 0.25  # how much the verify cost counts a round right after 
 
 def calibration_rounds(k0: int, k_max: int, widest: bool = False) -> list[int]:
     """The k of the first rounds (and of those after ``link_changed()``): k0, then a plain round
-    twice (the first, right after a drafted round, finds the draft's prefetches in the cache and
-    is not measured), then 1 twice and 2 twice (the first round at a new k is a transition, which
-    the verify cost counts at ``TRANSITION_WEIGHT``), and with ``widest`` k_max twice."""
+    twice (the first, right after a drafted round, finds the draft's prefetches in the cache; with
+    no plain round measured yet it is measured too, a warm and a cold sample), then 1 twice and 2
+    twice (the first round at a new k is a transition, which the verify cost counts at
+    ``TRANSITION_WEIGHT``), and with ``widest`` k_max twice."""
     drafted = [c for c in dict.fromkeys((1, min(2, k_max), *((k_max,) if widest else ()))) if c != k0]
     return [k0, *([0, 0] if k0 else [0]), *(c for c in drafted for _ in range(2))]
 
