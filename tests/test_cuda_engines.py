@@ -9,7 +9,6 @@ paths that CPU runs only emulate are exercised on real hardware.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import specter
 
@@ -55,4 +54,4 @@ def test_offloaded_engines_on_cuda_equal_resident(tiny_mixtral, cuda_resident, e
 def test_compiled_resident_on_cuda_equals_eager(tiny_mixtral, cuda_resident):
     result = specter.load(cuda_recipe(tiny_mixtral, "resident", compile=True)).generate(PROMPTS)
     assert result.token_ids == cuda_resident
-    assert result.report["compile"]["enabled"] and torch.cuda.max_memory_allocated() > 0
+    assert result.report["compile"]["enabled"] and result.report["device"].startswith("cuda")

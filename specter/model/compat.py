@@ -33,7 +33,7 @@ def require_supported_transformers(version: str | None = None) -> None:
 
         version = transformers.__version__
     if not MIN_TRANSFORMERS <= _release(version) < BELOW:
-        wanted = ".".join(map(str, MIN_TRANSFORMERS))
-        raise SpecterError(f"transformers {version} is installed; Specter needs transformers>={wanted},<6 "
+        wanted = f"transformers>={'.'.join(map(str, MIN_TRANSFORMERS))},<{BELOW[0]}"
+        raise SpecterError(f"transformers {version} is installed; Specter needs {wanted} "
                            f"(older releases take the KV cache under another name and would decode wrongly): "
-                           f"pip install 'transformers>={wanted},<6'")
+                           f"pip install '{wanted}'")
