@@ -72,6 +72,7 @@ class PrefetchingEngine(OffloadedEngine):
         self._routing: list[tuple[int, torch.Tensor]] = []  # this round's target (layer, top_k_index)
         self._expert_stride = max(m.num_experts for m in self.runtime.layers.values())
         self.runtime.observers.append(self._record_use)
+        self.runtime.on_release = self.scheduler.computed  # a layer's early wave frees slots for the window
 
     def _observe_prediction(self, layer, hidden, top_k_index, top_k_weights, mode) -> None:
         if self.prediction_failure is None:

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
-from specter.kernels.grouped_experts import grouped_experts, supports
+from specter.kernels import native_rows
+from specter.kernels.grouped_experts import grouped_experts, native_expert_pairs, supports
 from specter.model.layout import MoELayer
 
 IMPLEMENTATION_NAME = "specter"
@@ -117,6 +118,8 @@ class ExpertRuntime:
         self.mode = "target"
         self.observers: list[RoutingObserver] = []
         self._views = {m.layer: SlotView(m.experts, cache.slots) for m in layers} if cache is not None else {}
+        self.waves = True  # see _compute_in_waves; False: one wait for all of a layer's experts
+        self.on_release: Callable[[int, list[int]], None] | None = None  # (layer, experts) freed mid-layer
 
     @contextlib.contextmanager
     def drafting(self) -> Iterator[None]:
@@ -142,6 +145,9 @@ class ExpertRuntime:
         capacity = self.cache.capacity
         view = self._views[layer]
         if len(needed) <= capacity:
+            if self.waves and supports(view) and native_rows.serves(hidden, view.gate_up_proj, view.down_proj) \
+                    and not (torch.is_grad_enabled() and hidden.requires_grad):
+                return self._compute_in_waves(layer, view, needed, hidden, top_k_index, top_k_weights)
             return self._compute_chunk(layer, view, needed, hidden, top_k_index, top_k_weights)
         output = torch.zeros_like(hidden)
         for start in range(0, len(needed), capacity):
@@ -154,6 +160,40 @@ class ExpertRuntime:
             partial = self._compute_chunk(layer, view, chunk, hidden[rows], index, weights)
             output.index_add_(0, rows, partial)
         return output
+
+    def _compute_in_waves(
+        self, layer: int, view: SlotView, experts: list[int], hidden: torch.Tensor,
+        top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer's experts in waves as their copies arrive: each wave computes the experts READY
+        then, releases their slots and tells ``on_release`` (the scheduler streams the next keys
+        into them) while the rest still copy. Each (token, j) pair is computed once and the sum
+        over j taken once at the end: the same bits as one pass."""
+        slots = self.cache.acquire(layer, experts, wait=False)
+        pending = list(experts)
+        try:
+            lookup = torch.zeros(self.layers[layer].num_experts, dtype=top_k_index.dtype, device=top_k_index.device)
+            lookup[torch.tensor(experts, device=lookup.device)] = torch.tensor(slots, dtype=lookup.dtype,
+                                                                               device=lookup.device)
+            ids, pairs = top_k_index.reshape(-1, 1), None
+            while pending:
+                wave = self.cache.await_any(layer, pending)
+                if len(wave) == len(experts):  # nothing was loading: one pass
+                    return _grouped_experts_forward(view, hidden, lookup[top_k_index], top_k_weights)
+                rows = torch.isin(ids[:, 0], torch.tensor(wave, device=ids.device)).nonzero().squeeze(-1)
+                out = native_expert_pairs(hidden[rows // top_k_index.shape[1]], lookup[ids[rows]],
+                                          top_k_weights.reshape(-1, 1)[rows], view.gate_up_proj, view.down_proj,
+                                          view._apply_gate)
+                pairs = out.new_zeros(ids.shape[0], out.shape[1]) if pairs is None else pairs
+                pairs.index_copy_(0, rows, out)
+                self.cache.release(layer, wave)
+                pending = [e for e in pending if e not in wave]
+                if pending and self.on_release is not None:
+                    self.on_release(layer, wave)
+            return pairs.view(*top_k_index.shape, -1).sum(dim=1).to(hidden.dtype)
+        finally:
+            if pending:
+                self.cache.release(layer, pending)
 
     def _compute_chunk(
         self, layer: int, view: SlotView, experts: list[int], hidden: torch.Tensor,

@@ -83,6 +83,16 @@ def native_grouped_experts(
     Static shapes only (the group ends come from a scatter-add over the stacked experts), so a
     compiled graph traces it whole and new ``ids`` never recompile."""
     n_tokens, top_k = ids.shape
+    return native_expert_pairs(x, ids, weights, gate_up, down, apply_gate).view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def native_expert_pairs(
+    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate
+) -> Tensor:
+    """The weighted output of every (token, j) pair, ``[T * k, H]`` in pair order, before the sum
+    over j: a pair's bits depend on its own token and expert only (``grouped_rows`` computes each
+    row alone), so pairs computed in separate calls sum to the same bits as one call."""
+    top_k = ids.shape[1]
     pairs = ids.reshape(-1)
     order = torch.sort(pairs, stable=True).indices  # pairs grouped by expert
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=ids.device)
@@ -90,5 +100,4 @@ def native_grouped_experts(
     hidden = apply_gate(native_rows.grouped_rows(x[order // top_k], gate_up, ends))  # [pairs, I]
     out = native_rows.grouped_rows(hidden, down, ends)  # [pairs, H]
     out = out * weights.reshape(-1)[order].unsqueeze(-1)
-    unsorted = torch.zeros_like(out).index_copy(0, order, out)
-    return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return torch.zeros_like(out).index_copy(0, order, out)

@@ -9,7 +9,8 @@ Contract:
   layer in ``store.layers``) holds the slot of every READY key and -1 elsewhere, so compiled code
   can read slots without the host.
 - ``acquire(layer, experts)`` returns the slots of those experts, in order, READY and pinned: every
-  copy into them is complete, and no eviction or prefetch touches them until ``release``. Misses
+  copy into them is complete, and no eviction or prefetch touches them until ``release``
+  (``wait=False``: pinned, their copies started, some LOADING: see ``await_any``). Misses
   are loaded on demand, evicting (through the policy) unpinned keys: FREE slots first, then
   unprotected READY keys, then protected ones, then keys still loading (after waiting for them).
   More distinct experts than ``capacity`` raise ``BudgetError``; so do more misses than there are
@@ -148,7 +149,7 @@ class ExpertCache:
 
     # ----- the step's side ---------------------------------------------------------------------
 
-    def acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
+    def acquire(self, layer: int, experts: Sequence[int], wait: bool = True) -> list[int]:
         keys = list(dict.fromkeys(self._key(layer, int(e)) for e in experts))
         if len(keys) > self.capacity:
             raise BudgetError(
@@ -186,12 +187,21 @@ class ExpertCache:
             self.stats.demand_loads += 1
             call_plugin("cache_policy", self.policy, "on_access", key)
             to_wait.append(slot)
-        for slot in to_wait:
+        for slot in to_wait if wait else ():
             self._finish_load(slot)
         self.stats.acquired_keys += len(keys)
         self.stats.hits += len(present)
         self.stats.misses += len(missing)
         return [self._slot_of[self._key(layer, int(e))] for e in experts]
+
+    def await_any(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """Of those acquired experts (``acquire(..., wait=False)``), the ones READY once one is (if
+        none is, the copy submitted first among them is waited for)."""
+        slots = {self._slot_of[self._key(layer, int(e))]: int(e) for e in experts}
+        self.poll()
+        if all(self._state[slot] is SlotState.LOADING for slot in slots):
+            self._finish_load(next(slot for slot in self._loading if slot in slots))
+        return [e for slot, e in slots.items() if self._state[slot] is SlotState.READY]
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
         keys = list(dict.fromkeys(self._key(layer, int(e)) for e in experts))

@@ -19,6 +19,9 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    keeping enough spare slots for the current layer's own demand loads. A key of the current
    layer still missing then is too late (it loads on demand, ``not_admitted``); a key of a later
    layer refused earlier is retried whenever a slot frees, before its layer needs it.
+   ``computed(layer, experts)``: verification computed those experts before the rest of their
+   layer (``ExpertRuntime``'s waves) and freed their slots; they leave the predictions ahead and
+   the window's missing keys are issued into the freed slots at once.
 5. Two tiers: every prediction not in the cache is also handed to the link's ``stage`` the moment
    it arrives, so a host tier below the device (``specter.memory.host_tier``) starts reading it
    from the disk before a device slot is free for it.
@@ -89,6 +92,7 @@ class PrefetchScheduler:
         self._predicted: dict[ExpertKey, float] = {}
         self._ahead: list[ExpertKey] = []  # predictions not yet verified, in need order
         self._window: list[ExpertKey] = []  # the first ``capacity`` of them: the protected set
+        self._done: set[ExpertKey] = set()  # computed this round ahead of the rest of their layer (``computed``)
         self._active = False
         self._frontier = -1  # the MoE layer verification has reached this round
         self._ahead_version = 0  # bumped whenever ``_ahead`` changes
@@ -97,6 +101,7 @@ class PrefetchScheduler:
 
     def begin_round(self) -> None:
         self._predicted.clear()
+        self._done.clear()
         self._ahead, self._window = [], []
         self._ahead_version += 1
         self._active = True
@@ -146,7 +151,7 @@ class PrefetchScheduler:
         """Recompute the predictions ahead and the window (the first ``capacity`` of them) after
         a prediction or the frontier changed, and make the window exactly the cache's protected
         set."""
-        self._ahead = [k for k in self.ordered(self._predicted) if k[0] >= self._frontier]
+        self._ahead = [k for k in self.ordered(self._predicted) if k[0] >= self._frontier and k not in self._done]
         self._ahead_version += 1
         self._window = self._ahead[: self.cache.capacity]
         self.cache.unprotect_all()
@@ -227,6 +232,19 @@ class PrefetchScheduler:
         if missing:
             self._send_hints()
             self.stats.streamed += self._issue(missing, None, reserve=too_late)
+
+    def computed(self, layer: int, experts: Sequence[int]) -> None:
+        """Verification computed these experts of MoE layer ``layer`` before the rest of it (and
+        released their slots): they leave the predictions ahead, and the window's missing keys
+        stream into the freed slots at once."""
+        if not self._active or layer < self._frontier:
+            return
+        self._done.update((layer, int(e)) for e in experts)
+        self._protect_window()
+        missing = self._missing()
+        if missing:
+            self._send_hints()
+            self.stats.streamed += self._issue(missing, None)
 
     def end_round(self, used: set[ExpertKey]) -> None:
         predicted = set(self._predicted)
