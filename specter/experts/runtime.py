@@ -17,6 +17,13 @@ Contract:
   read once for all the tokens routed to it, no per-expert Python loop, no host sync); otherwise
   transformers' own grouped-GEMM expert math (``grouped_mm_experts_forward``). Both agree with
   the model's own experts to float rounding.
+- Waves (``waves``, on by default; Specter's native kernel only, where one pair's bits depend on
+  its own token and expert alone): a layer whose experts are not all READY acquires them without
+  waiting and computes them as their copies arrive, each wave the experts READY then; a wave's
+  slots are released at once and ``on_release(layer, experts)`` (the speculative engines: the
+  scheduler's ``computed``) streams the next predictions into them while the rest still copy.
+  The pairs' outputs are summed over j once at the end: the same bits as one pass. ``overlap_s``
+  adds up the seconds of waves computed while later experts of their layer were still copying.
 - When a layer needs more distinct experts than the cache has slots (a long prefill), the experts
   are streamed through the slots in chunks; chunk outputs are summed per token.
 - Outside inference mode with inputs that require grad, a layer computes from a copy of its slots
@@ -28,6 +35,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, Iterator, Protocol
 
 import torch
@@ -120,6 +128,7 @@ class ExpertRuntime:
         self._views = {m.layer: SlotView(m.experts, cache.slots) for m in layers} if cache is not None else {}
         self.waves = True  # see _compute_in_waves; False: one wait for all of a layer's experts
         self.on_release: Callable[[int, list[int]], None] | None = None  # (layer, experts) freed mid-layer
+        self.overlap_s = 0.0  # seconds of waves computed while later experts of their layer still copied
 
     @contextlib.contextmanager
     def drafting(self) -> Iterator[None]:
@@ -178,6 +187,7 @@ class ExpertRuntime:
             ids, pairs = top_k_index.reshape(-1, 1), None
             while pending:
                 wave = self.cache.await_any(layer, pending)
+                started = time.perf_counter()
                 if len(wave) == len(experts):  # nothing was loading: one pass
                     return _grouped_experts_forward(view, hidden, lookup[top_k_index], top_k_weights)
                 rows = torch.isin(ids[:, 0], torch.tensor(wave, device=ids.device)).nonzero().squeeze(-1)
@@ -190,6 +200,8 @@ class ExpertRuntime:
                 pending = [e for e in pending if e not in wave]
                 if pending and self.on_release is not None:
                     self.on_release(layer, wave)
+                if pending:
+                    self.overlap_s += time.perf_counter() - started
             return pairs.view(*top_k_index.shape, -1).sum(dim=1).to(hidden.dtype)
         finally:
             if pending:

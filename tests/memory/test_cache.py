@@ -317,3 +317,19 @@ def test_cuda_cache_prefetch_and_demand_loads_match_the_store() -> None:
         cache.release(0, experts)
     assert cache.stats.prefetch_used == 1 and cache.stats.hits + cache.stats.misses == 5
     link.close()
+
+
+def test_acquire_without_waiting_counts_as_acquire_and_await_any_returns_what_arrived() -> None:
+    from held_link import make_cache as held_cache
+
+    cache, link = held_cache(n_slots=3)
+    assert cache.prefetch(0, 1)
+    slots = cache.acquire(0, [1, 2], wait=False)  # (0, 1) copying since the prefetch, (0, 2) on demand
+    assert all(cache.pin_count(slot) == 1 for slot in slots)
+    assert [cache.state(slot) for slot in slots] == [SlotState.LOADING, SlotState.LOADING]
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.prefetch_late) == (1, 1, 1)
+    assert cache.await_any(0, [2, 1]) == [1]  # none arrived: the first submitted is waited for, alone
+    link.complete_all()
+    assert cache.await_any(0, [2]) == [2]
+    cache.release(0, [1, 2])
+    assert cache.pinned_keys() == set()

@@ -329,3 +329,38 @@ def test_begin_round_forgets_the_previous_rounds_pending_predictions() -> None:
     scheduler.flush()
     assert submitted_keys(cache, link) == [(0, 0), (1, 0)]
     assert cache.state(cache.slot_of((1, 0))) is SlotState.LOADING
+
+
+def test_a_layers_early_wave_frees_its_slots_for_the_window_at_once() -> None:
+    cache, link = make_cache(n_slots=4, layers=(0, 1, 2))
+    scheduler = PrefetchScheduler(cache, max_in_flight=8)
+    scheduler.begin_round()
+    for layer in (0, 1, 2):
+        scheduler.add(layer, [2 * layer, 2 * layer + 1], [0.9, 0.8])
+    scheduler.flush()
+    assert submitted_keys(cache, link) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    link.transfers[0].complete()  # (0, 0) has arrived, (0, 1) is still copying
+    scheduler.advance(0)
+    cache.acquire(0, [0, 1], wait=False)
+    assert cache.await_any(0, [0, 1]) == [0]
+    cache.release(0, [0])
+    before = len(link.submitted)
+    scheduler.computed(0, [0])  # verification computed (0, 0) ahead of (0, 1)
+    assert submitted_keys(cache, link, before) == [(2, 4)]  # into (0, 0)'s slot, before layer 1 runs
+    assert (0, 0) not in cache.protected_keys() and scheduler.stats.streamed == 1
+    assert cache.await_any(0, [1]) == [1]  # none ready: the first copy submitted among them is waited for
+    cache.release(0, [1])
+    scheduler.end_round({(0, 0), (0, 1)})
+    assert scheduler.stats.predicted == 6  # an expert computed early is still counted as predicted
+
+
+def test_computed_is_ignored_outside_a_round_and_for_verified_layers() -> None:
+    cache, link = make_cache(n_slots=4, layers=(0, 1, 2))
+    scheduler = PrefetchScheduler(cache, max_in_flight=8)
+    scheduler.computed(0, [0])  # no round: nothing to stream
+    scheduler.begin_round()
+    scheduler.add(2, [4], [0.9])
+    scheduler.advance(1)  # streams (2, 4)
+    before, streamed = len(link.submitted), scheduler.stats.streamed
+    scheduler.computed(0, [0])  # a layer already behind the frontier
+    assert len(link.submitted) == before and scheduler.stats.streamed == streamed == 1

@@ -1,0 +1,82 @@
+"""``ExpertRuntime``'s waves: a layer whose experts are still copying is computed as they arrive,
+with the bits of one pass, and its early experts' slots go to the next predictions at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specter
+from specter.testing.zoo import save_random_checkpoint
+
+torch.set_num_threads(1)
+PROMPTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55], [1, 200, 5, 77, 12]]
+SLOW = {"kind": "emulated", "gbps": 0.02, "latency_us": 200}  # a tiny expert's copy takes ~5 ms
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> str:
+    return str(save_random_checkpoint("mixtral", tmp_path_factory.mktemp("zoo") / "mixtral", seed=0))
+
+
+def load(path: str, engine: str, link: dict, budget: float = 0.25):
+    return specter.load({"model": path, "engine": engine, "max_new_tokens": 10, "threads": 1, "dtype": "float32",
+                         "offload": {"link": link, "expert_budget": budget},
+                         "speculation": {"governor": {"name": "fixed", "k": 4}}})
+
+
+def count_releases(engine) -> list:
+    calls = []
+    forward = engine.runtime.on_release
+
+    def on_release(layer, experts):
+        calls.append((layer, list(experts)))
+        if forward is not None:
+            forward(layer, experts)
+    engine.runtime.on_release = on_release
+    return calls
+
+
+def test_a_layer_computed_in_waves_has_the_bits_of_one_pass(mixtral):
+    gen = torch.Generator().manual_seed(0)
+    outputs = {}
+    for waves in (True, False):
+        engine = load(mixtral, "ondemand", SLOW, budget=0.5)
+        try:
+            engine.runtime.waves = waves
+            releases = count_releases(engine)
+            layer = min(engine.runtime.layers)
+            module = engine.runtime.layers[layer].experts
+            n_experts = engine.runtime.layers[layer].num_experts
+            gen.manual_seed(0)
+            hidden = torch.randn(6, module.gate_up_proj.shape[-1], generator=gen)
+            index = torch.stack([torch.randperm(n_experts, generator=gen)[:2] for _ in range(6)])
+            weights = torch.rand(6, 2, generator=gen)
+            for expert in index.unique().tolist()[::2]:  # half of them already copying, the rest on demand
+                engine.cache.prefetch(layer, expert)
+            with torch.inference_mode():
+                outputs[waves] = engine.runtime.forward(layer, module, hidden, index, weights)
+            assert engine.cache.pinned_keys() == set()
+            if waves:  # every copy was still in flight: more than one wave, the early ones beside copies
+                assert releases and engine.runtime.overlap_s > 0
+            else:
+                assert not releases and engine.runtime.overlap_s == 0
+        finally:
+            engine.close()
+    assert torch.equal(outputs[True], outputs[False])
+
+
+def test_waves_on_a_slow_link_decode_as_resident_and_hand_freed_slots_to_the_scheduler(mixtral):
+    reference = load(mixtral, "resident", {"kind": "local"})
+    try:
+        expected = reference.generate(PROMPTS).token_ids
+    finally:
+        reference.close()
+    engine = load(mixtral, "specter", SLOW)
+    try:
+        releases = count_releases(engine)
+        result = engine.generate(PROMPTS)
+        assert result.token_ids == expected
+        assert releases and engine.scheduler.stats.streamed > 0
+    finally:
+        engine.close()
