@@ -83,7 +83,8 @@ def native_grouped_experts(
     Static shapes only (the group ends come from a scatter-add over the stacked experts), so a
     compiled graph traces it whole and new ``ids`` never recompile."""
     n_tokens, top_k = ids.shape
-    return native_expert_pairs(x, ids, weights, gate_up, down, apply_gate).view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    pairs = native_expert_pairs(x, ids, weights, gate_up, down, apply_gate)
+    return pairs.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 def native_expert_pairs(

@@ -154,13 +154,19 @@ def test_streaming_a_round_larger_than_the_cache() -> None:
     assert cache.protected_keys() == frozenset()
 
 
-def test_streaming_keeps_slots_for_the_current_layers_demand_loads() -> None:
-    cache, link = make_cache(n_slots=2, layers=(0, 1, 2))
+def flushed_two_a_layer_round(n_slots: int):
+    """A round predicting experts 2L and 2L + 1 of MoE layers 0, 1, 2, flushed."""
+    cache, link = make_cache(n_slots=n_slots, layers=(0, 1, 2))
     scheduler = PrefetchScheduler(cache, max_in_flight=8)
     scheduler.begin_round()
     for layer in (0, 1, 2):
         scheduler.add(layer, [2 * layer, 2 * layer + 1], [0.9, 0.8])
     scheduler.flush()
+    return cache, link, scheduler
+
+
+def test_streaming_keeps_slots_for_the_current_layers_demand_loads() -> None:
+    cache, link, scheduler = flushed_two_a_layer_round(n_slots=2)
     verify_round(cache, link, scheduler, {layer: [2 * layer, 2 * layer + 1] for layer in (0, 1, 2)})
     # no slot to spare: layers 1 and 2 load on demand, and no streamed prefetch is evicted unused
     assert (cache.stats.misses, cache.stats.prefetch_wasted, scheduler.stats.streamed) == (4, 0, 0)
@@ -332,12 +338,7 @@ def test_begin_round_forgets_the_previous_rounds_pending_predictions() -> None:
 
 
 def test_a_layers_early_wave_frees_its_slots_for_the_window_at_once() -> None:
-    cache, link = make_cache(n_slots=4, layers=(0, 1, 2))
-    scheduler = PrefetchScheduler(cache, max_in_flight=8)
-    scheduler.begin_round()
-    for layer in (0, 1, 2):
-        scheduler.add(layer, [2 * layer, 2 * layer + 1], [0.9, 0.8])
-    scheduler.flush()
+    cache, link, scheduler = flushed_two_a_layer_round(n_slots=4)
     assert submitted_keys(cache, link) == [(0, 0), (0, 1), (1, 2), (1, 3)]
     link.transfers[0].complete()  # (0, 0) has arrived, (0, 1) is still copying
     scheduler.advance(0)
