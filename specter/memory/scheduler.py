@@ -227,11 +227,7 @@ class PrefetchScheduler:
         too_late = self._count_late(layer)  # the layer's own misses load on demand
         self.stats.not_admitted += too_late
         self._frontier = layer
-        self._protect_window()
-        missing = self._missing()
-        if missing:
-            self._send_hints()
-            self.stats.streamed += self._issue(missing, None, reserve=too_late)
+        self._stream(reserve=too_late)
 
     def computed(self, layer: int, experts: Sequence[int]) -> None:
         """Verification computed these experts of MoE layer ``layer`` before the rest of it (and
@@ -240,11 +236,16 @@ class PrefetchScheduler:
         if not self._active or layer < self._frontier:
             return
         self._done.update((layer, int(e)) for e in experts)
+        self._stream(reserve=0)
+
+    def _stream(self, reserve: int) -> None:
+        """The frontier or the keys done moved: recompute the window and issue its missing keys
+        into whatever slots are free now, leaving ``reserve`` spare for demand loads."""
         self._protect_window()
         missing = self._missing()
         if missing:
             self._send_hints()
-            self.stats.streamed += self._issue(missing, None)
+            self.stats.streamed += self._issue(missing, None, reserve=reserve)
 
     def end_round(self, used: set[ExpertKey]) -> None:
         predicted = set(self._predicted)
