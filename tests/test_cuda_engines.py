@@ -37,11 +37,8 @@ def cuda_resident(tiny_mixtral) -> list[list[int]]:
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("engine,governor", ENGINES, ids=["ondemand", "router-lookahead", "specter-k3", "roofline"])
 def test_offloaded_engines_on_cuda_equal_resident(tiny_mixtral, cuda_resident, engine, governor, compile):
-    loaded = specter.load(cuda_recipe(tiny_mixtral, engine, compile, governor))
-    try:
+    with specter.load(cuda_recipe(tiny_mixtral, engine, compile, governor)) as loaded:
         result = loaded.generate(PROMPTS)
-    finally:
-        loaded.close()
     report = result.report
     assert result.token_ids == cuda_resident
     assert report["link"]["kind"] == "cuda" and report["bytes_transferred"] > 0

@@ -113,17 +113,10 @@ def recipe(path: Path, engine: str) -> dict:
 def test_every_example_plugin_runs_and_is_lossless(example_plugins, tiny_mixtral):
     from specter_example_plugins import CountingLink, FifoPolicy, GreedyKGovernor, PreviousTokenPredictor
 
-    resident = specter.load(recipe(tiny_mixtral, "resident"))
-    try:
+    with specter.load(recipe(tiny_mixtral, "resident")) as resident:
         expected = resident.generate(PROMPTS).token_ids
-    finally:
-        resident.close()
-
-    engine = specter.load(recipe(tiny_mixtral, "specter"))
-    try:
+    with specter.load(recipe(tiny_mixtral, "specter")) as engine:
         result = engine.generate(PROMPTS)
-    finally:
-        engine.close()
     report = result.report
     assert result.token_ids == expected
 

@@ -2,7 +2,8 @@
 
 Contract: ``build_engine(recipe)`` loads the recipe's model the way its engine needs it and
 returns an ``Engine``; ``engine.generate(prompts)`` (texts or token-id lists) returns a
-``GenerationResult`` with texts, token ids and the ``specter.report/1`` report. Engines:
+``GenerationResult`` with texts, token ids and the ``specter.report/1`` report; ``close()`` (or
+leaving ``with engine:``) stops its link's copy thread. Engines:
 
 - ``resident``: every weight on the device (the speed limit); on a CPU its experts run through the
   same grouped kernel as the offloaded engines' slots (``specter.kernels.grouped_experts``) where
@@ -259,6 +260,12 @@ class Engine:
 
     def close(self) -> None:
         pass
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def check_max_new_tokens(value) -> int:

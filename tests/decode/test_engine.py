@@ -250,3 +250,11 @@ def test_generate_by_prompt_yields_between_prompts_and_times_only_its_own_work(c
     assert result.report["wall_s"] < pause  # the pause between prompts is not counted
     assert not torch.is_inference_mode_enabled()  # nothing leaks into the caller between prompts
     engine.close()
+
+
+def test_leaving_a_with_block_closes_the_engine_and_its_link(checkpoint):
+    link = {"kind": "emulated", "gbps": 1.0}
+    with specter.load(recipe(checkpoint, "ondemand", offload={"expert_budget": 0.5, "link": link})) as engine:
+        assert engine.link.alive
+        engine.generate([[1, 17, 93]], max_new_tokens=2)
+    assert not engine.link.alive

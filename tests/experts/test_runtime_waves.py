@@ -41,8 +41,7 @@ def test_a_layer_computed_in_waves_has_the_bits_of_one_pass(mixtral):
     gen = torch.Generator().manual_seed(0)
     outputs = {}
     for waves in (True, False):
-        engine = load(mixtral, "ondemand", SLOW, budget=0.5)
-        try:
+        with load(mixtral, "ondemand", SLOW, budget=0.5) as engine:
             engine.runtime.waves = waves
             releases = count_releases(engine)
             layer = min(engine.runtime.layers)
@@ -61,22 +60,13 @@ def test_a_layer_computed_in_waves_has_the_bits_of_one_pass(mixtral):
                 assert releases and engine.runtime.overlap_s > 0
             else:
                 assert not releases and engine.runtime.overlap_s == 0
-        finally:
-            engine.close()
     assert torch.equal(outputs[True], outputs[False])
 
 
 def test_waves_on_a_slow_link_decode_as_resident_and_hand_freed_slots_to_the_scheduler(mixtral):
-    reference = load(mixtral, "resident", {"kind": "local"})
-    try:
+    with load(mixtral, "resident", {"kind": "local"}) as reference:
         expected = reference.generate(PROMPTS).token_ids
-    finally:
-        reference.close()
-    engine = load(mixtral, "specter", SLOW)
-    try:
+    with load(mixtral, "specter", SLOW) as engine:
         releases = count_releases(engine)
-        result = engine.generate(PROMPTS)
-        assert result.token_ids == expected
+        assert engine.generate(PROMPTS).token_ids == expected
         assert releases and engine.scheduler.stats.streamed > 0
-    finally:
-        engine.close()
