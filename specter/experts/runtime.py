@@ -43,7 +43,7 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
 from specter.kernels import native_rows
-from specter.kernels.grouped_experts import grouped_experts, native_expert_pairs, supports
+from specter.kernels.grouped_experts import PairsBySlot, grouped_experts, supports
 from specter.model.layout import MoELayer
 
 IMPLEMENTATION_NAME = "specter"
@@ -181,27 +181,24 @@ class ExpertRuntime:
         slots = self.cache.acquire(layer, experts, wait=False)
         pending = list(experts)
         try:
-            lookup = self._slot_lookup(layer, experts,
-                                       torch.tensor(slots, dtype=top_k_index.dtype, device=top_k_index.device))
-            ids, pairs = top_k_index.reshape(-1, 1), None
-            while pending:
-                wave = self.cache.await_any(layer, pending)
+            slot_ids = torch.tensor(slots, dtype=top_k_index.dtype, device=top_k_index.device)
+            pair_slots = self._slot_lookup(layer, experts, slot_ids)[top_k_index]
+            wave = self.cache.await_any(layer, pending)
+            if len(wave) == len(experts):  # nothing was loading: one pass
+                return _grouped_experts_forward(view, hidden, pair_slots, top_k_weights)
+            pairs = PairsBySlot(hidden, pair_slots, top_k_weights, view.gate_up_proj.shape[0])
+            slot_of = dict(zip(experts, slots))
+            while True:
                 started = time.perf_counter()
-                if len(wave) == len(experts):  # nothing was loading: one pass
-                    return _grouped_experts_forward(view, hidden, lookup[top_k_index], top_k_weights)
-                rows = torch.isin(ids[:, 0], torch.tensor(wave, device=ids.device)).nonzero().squeeze(-1)
-                out = native_expert_pairs(hidden[rows // top_k_index.shape[1]], lookup[ids[rows]],
-                                          top_k_weights.reshape(-1, 1)[rows], view.gate_up_proj, view.down_proj,
-                                          view._apply_gate)
-                pairs = out.new_zeros(ids.shape[0], out.shape[1]) if pairs is None else pairs
-                pairs.index_copy_(0, rows, out)
+                pairs.compute([slot_of[e] for e in wave], view.gate_up_proj, view.down_proj, view._apply_gate)
                 self.cache.release(layer, wave)
                 pending = [e for e in pending if e not in wave]
-                if pending and self.on_release is not None:
+                if not pending:
+                    return pairs.result()
+                if self.on_release is not None:
                     self.on_release(layer, wave)
-                if pending:
-                    self.overlap_s += time.perf_counter() - started
-            return pairs.view(*top_k_index.shape, -1).sum(dim=1).to(hidden.dtype)
+                self.overlap_s += time.perf_counter() - started
+                wave = self.cache.await_any(layer, pending)
         finally:
             if pending:
                 self.cache.release(layer, pending)

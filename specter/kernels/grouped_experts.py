@@ -21,6 +21,10 @@ Contract:
   (the native kernel has no backward), the ``_grouped_mm`` form.
 - Numerics: float32 accumulation inside each product as in the model's own path, but a different
   summation order, so results agree with transformers' kernel to rounding, not bit for bit.
+- ``PairsBySlot(x, slot_ids, weights, n_slots)``: the same pairs sorted by slot once, computed a
+  set of slots at a time (``compute(slots, ...)``, as their weights arrive) and summed over j once
+  (``result``): the bits of ``native_grouped_experts`` in one call, for any split of the slots
+  (``serves`` must hold; eager only: a wave's rows have a data-dependent count).
 - ``supports(module)``: whether a transformers experts module has the layout this kernel covers
   (gated, [out, in] weights, no biases, no post-expert norm: Mixtral, Qwen2/3-MoE, OLMoE,
   DeepSeek, PhiMoE); other layouts use transformers' own kernel.
@@ -79,26 +83,50 @@ def _needs_grad(*tensors: Tensor) -> bool:
 def native_grouped_experts(
     x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate
 ) -> Tensor:
-    """``grouped_experts`` through ``native_rows.grouped_rows`` (``native_rows.serves`` must hold).
-    Static shapes only (the group ends come from a scatter-add over the stacked experts), so a
-    compiled graph traces it whole and new ``ids`` never recompile."""
+    """``grouped_experts`` through ``native_rows.grouped_rows`` (``serves`` must hold). Static
+    shapes only (the group ends come from a scatter-add over the stacked experts), so a compiled
+    graph traces it whole and new ``ids`` never recompile. Each row of ``grouped_rows`` is
+    computed alone, so a pair's bits depend on its own token and expert only."""
     n_tokens, top_k = ids.shape
-    pairs = native_expert_pairs(x, ids, weights, gate_up, down, apply_gate)
-    return pairs.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
-
-
-def native_expert_pairs(
-    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate
-) -> Tensor:
-    """The weighted output of every (token, j) pair, ``[T * k, H]`` in pair order, before the sum
-    over j: a pair's bits depend on its own token and expert only (``grouped_rows`` computes each
-    row alone), so pairs computed in separate calls sum to the same bits as one call."""
-    top_k = ids.shape[1]
     pairs = ids.reshape(-1)
     order = torch.sort(pairs, stable=True).indices  # pairs grouped by expert
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=ids.device)
     ends = counts.scatter_add(0, pairs, torch.ones_like(pairs)).cumsum(0)
     hidden = apply_gate(native_rows.grouped_rows(x[order // top_k], gate_up, ends))  # [pairs, I]
-    out = native_rows.grouped_rows(hidden, down, ends)  # [pairs, H]
-    out = out * weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(out).index_copy(0, order, out)
+    out = native_rows.grouped_rows(hidden, down, ends) * weights.reshape(-1)[order].unsqueeze(-1)
+    unsorted = torch.zeros_like(out).index_copy(0, order, out)
+    return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+class PairsBySlot:
+    """A layer's (token, j) pairs sorted by slot once; ``compute`` runs the pairs of some slots
+    (rows gathered by a slot mask, the other slots' groups left empty), ``result`` sums over j."""
+
+    def __init__(self, x: Tensor, slot_ids: Tensor, weights: Tensor, n_slots: int) -> None:
+        self._shape = slot_ids.shape  # [T, k]
+        flat = slot_ids.reshape(-1)
+        self._order = torch.sort(flat, stable=True).indices
+        self._sorted_slots = flat[self._order]
+        self._counts = torch.zeros(n_slots, dtype=torch.long, device=flat.device).scatter_add(
+            0, flat, torch.ones_like(flat))
+        self._x = x[self._order // self._shape[1]]
+        self._weights = weights.reshape(-1)[self._order].unsqueeze(-1)
+        self._dtype = x.dtype
+        self._out: Tensor | None = None  # [T * k, H] in sorted order
+
+    def compute(self, slots: list[int], gate_up: Tensor, down: Tensor, apply_gate: ApplyGate) -> None:
+        in_set = torch.zeros_like(self._counts, dtype=torch.bool)
+        in_set[torch.tensor(slots, device=in_set.device)] = True
+        rows = in_set[self._sorted_slots].nonzero().squeeze(-1)
+        ends = torch.where(in_set, self._counts, 0).cumsum(0)
+        hidden = apply_gate(native_rows.grouped_rows(self._x[rows], gate_up, ends))
+        out = native_rows.grouped_rows(hidden, down, ends) * self._weights[rows]
+        if self._out is None:
+            self._out = out.new_zeros(self._x.shape[0], out.shape[1])
+        self._out.index_copy_(0, rows, out)
+
+    def result(self) -> Tensor:
+        """``[T, H]``: every pair's output summed over j (pairs never computed count as zero)."""
+        assert self._out is not None, "compute() ran on no slots"
+        pairs = torch.zeros_like(self._out).index_copy(0, self._order, self._out)
+        return pairs.view(*self._shape, -1).sum(dim=1).to(self._dtype)

@@ -9,7 +9,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from specter.experts.runtime import use_grouped_kernel
-from specter.kernels.grouped_experts import grouped_experts, supports
+from specter.kernels.grouped_experts import PairsBySlot, grouped_experts, native_grouped_experts, supports
 
 HIDDEN, INTER, SLOTS = 32, 24, 7
 
@@ -68,6 +68,33 @@ def test_the_native_and_the_grouped_mm_forms_agree_with_the_reference(tokens, to
             expected[t] += float(weights[t, j]) * (down[e].double() @ wide_gate(gate_up[e].double() @ x[t].double()))
     out = grouped_experts(x, ids, weights, gate_up, down, wide_gate)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pairs_by_slot_computed_in_any_split_of_the_slots_have_the_bits_of_one_pass(seed: int) -> None:
+    from specter import native
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    gen = torch.Generator().manual_seed(seed)
+    inter, tokens, top_k = 48, 1 + seed * 3, 1 + seed % 3
+    gate_up, down = torch.randn(SLOTS, 2 * inter, HIDDEN, generator=gen), torch.randn(SLOTS, HIDDEN, inter, generator=gen)
+    wide_gate = lambda t: F.silu(t[..., :inter]) * t[..., inter:]  # noqa: E731
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(SLOTS, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    used = ids.unique()[torch.randperm(ids.unique().numel(), generator=gen)].tolist()
+    cuts = sorted(torch.randperm(len(used) + 1, generator=gen)[:2].tolist())
+    waves = [w for w in (used[: cuts[0]], used[cuts[0] : cuts[1]], used[cuts[1] :]) if w]
+    pairs = PairsBySlot(x, ids, weights, SLOTS)
+    for wave in waves:
+        pairs.compute(wave, gate_up, down, wide_gate)
+    one_pass = native_grouped_experts(x, ids, weights, gate_up, down, wide_gate)
+    assert torch.equal(pairs.result(), one_pass)
+    partial = PairsBySlot(x, ids, weights, SLOTS)
+    partial.compute(used[:1], gate_up, down, wide_gate)
+    if len(used) > 1:  # pairs of slots never computed count as zero
+        assert not torch.equal(partial.result(), one_pass)
 
 
 def test_all_tokens_on_one_expert_and_unused_slots() -> None:
