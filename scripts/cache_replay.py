@@ -2,6 +2,7 @@
 a decoded token must copy under each eviction rule, when rounds of T tokens are verified at once.
 
 Run: python scripts/cache_replay.py [RECIPE] [--set key=value ...] [--slots 16,32] [--widths 1,2,3,5,9]
+     python scripts/cache_replay.py [RECIPE] --verified [--set key=value ...]
      (default: recipes/specter.yaml with bench-proxy's run settings: model=bundled:tiny-moe-x16,
      max_prompts=4, max_new_tokens=32; one thread)
 The recipe's ``resident`` engine generates its prompts (``max_prompts``, ``max_new_tokens``)
@@ -16,6 +17,11 @@ experts. A missing expert is one copy; the figure is copies per decoded token un
 - ``min``: the whole future known (Belady's MIN): the floor for any rule with this pool.
 On a link where every copy is on the critical path, copies per token times the copy time bounds
 tokens/s from above; these are the bounds the bench-proxy notes in docs/ compare with.
+
+With ``--verified`` the recipe's own engine runs instead (a speculative one, e.g. ``--set
+engine=specter``) and the rules replay the rounds it verified (each round's distinct experts per
+layer, rejected drafts included, from the cache it started the prompt with): the engine's copies
+per decoded token beside what lru / round / min would have copied for the same requests.
 """
 
 from __future__ import annotations
@@ -114,15 +120,68 @@ def replay(requests: Requests, slots: int, initial: list[Key], rule: str, layers
     return copies
 
 
+def record_verified_rounds(engine) -> tuple[list[tuple[Requests, list[Key]]], int, int]:
+    """Runs the engine's prompts; per prompt its verified rounds as requests (layer order, the
+    cache's layer numbering) and the cache's keys when the first round began; the engine's decode
+    copies; the decoded tokens."""
+    if getattr(engine, "scheduler", None) is None:
+        raise SystemExit(f"--verified replays a speculative engine's rounds; {engine.recipe.engine} has none "
+                         "(--set engine=specter)")
+    scheduler, cache = engine.scheduler, engine.cache
+    begin, end = scheduler.begin_round, scheduler.end_round
+    requests: Requests = []
+    initial: list[Key] = []
+
+    def begin_round() -> None:
+        if not requests and not initial:
+            initial.extend(cache.resident_keys())
+        begin()
+
+    def end_round(used: set[Key]) -> None:
+        requests.extend({key for key in used if key[0] == layer} for layer in sorted({key[0] for key in used}))
+        end(used)
+
+    scheduler.begin_round, scheduler.end_round = begin_round, end_round
+    per_prompt, copies, tokens = [], 0, 0
+    try:
+        for prompt in engine.recipe.resolved_prompts():
+            requests, initial = [], []
+            result = engine.generate([prompt])
+            decoded = len(result.token_ids[0]) - 1  # the first token comes from the prefill
+            per_prompt.append((requests, initial))
+            copies += round(result.report["copies_per_token"] * decoded)
+            tokens += decoded
+    finally:
+        scheduler.begin_round, scheduler.end_round = begin, end
+    return per_prompt, copies, tokens
+
+
+def verified_main(engine) -> None:
+    per_prompt, copies, tokens = record_verified_rounds(engine)
+    layers = len(engine.cache.store.layers)
+    totals = {"lru": 0, "round": 0, "min": 0}
+    for requests, initial in per_prompt:
+        for rule in totals:
+            totals[rule] += replay(requests, engine.cache.capacity, initial, rule, layers)
+    print(f"{engine.recipe.model}, {engine.recipe.engine}: {len(per_prompt)} prompts, {tokens} decoded tokens, "
+          f"{engine.cache.capacity} slots; copies per decoded token: engine {copies / tokens:.3f}; on its "
+          "verified rounds " + "  ".join(f"{rule} {count / tokens:.3f}" for rule, count in totals.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", nargs="?", default="recipes/specter.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=None)
     parser.add_argument("--slots", default="16,32", help="pool sizes (comma-separated)")
     parser.add_argument("--widths", default="1,2,3,5,9", help="tokens verified per round (comma-separated)")
+    parser.add_argument("--verified", action="store_true", help="replay the rounds the recipe's engine verified")
     args = parser.parse_args()
     torch.set_num_threads(1)
     overrides = args.overrides if args.overrides is not None else BENCH_PROXY_RUN
+    if args.verified:
+        with load(args.recipe, [*overrides, "check_lossless=false"]) as engine:
+            verified_main(engine)
+        return
     engine = load(args.recipe, [*overrides, "engine=resident", "check_lossless=false"])
     routing = record_routing(engine)
     layers = len(routing[0][0])

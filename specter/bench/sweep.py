@@ -314,4 +314,4 @@ def _prefetch_state(prediction: dict | None) -> dict | None:
     if not isinstance(prediction, dict) or prediction.get("prefetch_mode") is None:
         return None
     return {"mode": prediction["prefetch_mode"], "conservative": prediction.get("conservative_now"),
-            "transfer_wait_share": prediction.get("transfer_wait_share")}
+            "lazy": prediction.get("lazy_now"), "transfer_wait_share": prediction.get("transfer_wait_share")}

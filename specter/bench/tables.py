@@ -224,10 +224,10 @@ def phase_table(bench: dict) -> list[str]:
 
 
 def _prefetch_cell(prefetch: dict | None) -> str:
-    """``conservative`` / ``aggressive`` as the row's last run ended, ``(auto)`` when it chose."""
+    """``conservative`` / ``lazy`` / ``aggressive`` as the row's last run ended, ``(auto)`` when it chose."""
     if not isinstance(prefetch, dict) or prefetch.get("conservative") is None:
         return "-"
-    state = "conservative" if prefetch["conservative"] else "aggressive"
+    state = "conservative" if prefetch["conservative"] else "lazy" if prefetch.get("lazy") else "aggressive"
     return f"{state} (auto)" if prefetch.get("mode") == "auto" else state
 
 

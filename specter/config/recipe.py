@@ -110,12 +110,14 @@ class OffloadConfig(_Section):
     )
     link: LinkConfig = _field("host-to-device link", factory=LinkConfig)
     cache_policy: CachePolicyConfig = _field("device cache eviction policy", factory=CachePolicyConfig)
-    prefetch: str = _field("how a prefetch may make room: aggressive (evict a prediction needed later in the "
-                           "round to load one needed sooner: earliest arrival), conservative (never evict a "
-                           "prediction of this round, except for the layer verification needs next: fewer copies, "
-                           "for links slower than compute) or auto (conservative while rounds wait on transfers "
-                           "for more than 30% of their time)", "auto",
-                           **_one_of("aggressive", "conservative", "auto"))
+    prefetch: str = _field("when and how prefetches are issued: aggressive (while the draft runs; may evict a "
+                           "prediction needed later in the round to load one needed sooner: earliest arrival), "
+                           "conservative (never evict a prediction of this round, except for the layer "
+                           "verification needs next: fewer copies, for links slower than compute), lazy (nothing "
+                           "while the draft runs, all at the flush with the round known: fewest copies, for links "
+                           "that keep up) or auto (conservative while rounds wait on transfers for more than 30% of "
+                           "their time, else aggressive)", "auto",
+                           **_one_of("aggressive", "conservative", "lazy", "auto"))
     pin_memory: bool = _field("pin host expert memory when the device is CUDA", True)
     experts_on: str = _field("where the full-precision experts live below the cache: host (memory) or disk "
                              "(read from the checkpoint's safetensors; device cpu with link disk, or any device with "

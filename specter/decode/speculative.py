@@ -134,6 +134,7 @@ class PrefetchingEngine(OffloadedEngine):
             "streamed": stats.streamed, "not_admitted": stats.not_admitted,
             "disabled": self.prediction_failure,
             "prefetch_mode": self.scheduler.mode, "conservative_now": self.scheduler.conservative,
+            "lazy_now": self.scheduler.lazy,
             "transfer_wait_share": self.scheduler.wait_share,
         }
         return report

@@ -34,7 +34,10 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    the rounds wait on transfers (a moving average, from 0, of the share of ``begin_round`` ..
    ``end_round`` spent in the cache's transfer waits) above ``AUTO_ENTER_WAIT``, until it falls
    below ``AUTO_LEAVE_WAIT`` (a round right after a prefill, which waits long, cannot decide it
-   alone).
+   alone). ``lazy`` issues nothing while the draft runs: ``pump`` returns at once and ``flush``
+   issues the window with the round's predictions complete, so a prefetch never evicts a key a
+   later draft step predicts for the same round (fewer copies where the link keeps up with
+   compute, and none of them beside the draft); ``auto`` never is (measured: design notes, stop 40).
 ``end_round(used)`` compares what was predicted with what the target used, counts the
 predictions not in the cache when their layer was reached (``not_admitted``), then lifts the
 protection. The cache policy also receives the round's predictions still ahead (the window's
@@ -70,7 +73,7 @@ class SchedulerStats:
         return self.predicted_and_used / self.predicted if self.predicted else None
 
 
-PREFETCH_MODES = ("aggressive", "conservative", "auto")
+PREFETCH_MODES = ("aggressive", "conservative", "lazy", "auto")
 AUTO_ENTER_WAIT = 0.3  # link-bound: every bench-governor row on a 2 GB/s link waited 0.35-0.68
 AUTO_LEAVE_WAIT = 0.2  # compute-bound: on 20 GB/s 0.004-0.13; the bundled model at 25% on 1 GB/s ~0.2
 AUTO_WAIT_DECAY = 0.8  # weight of the past in the moving average of the wait share, which starts at 0
@@ -84,6 +87,7 @@ class PrefetchScheduler:
         self.max_in_flight = max_in_flight
         self.mode = mode
         self.conservative = mode == "conservative"
+        self.lazy = mode == "lazy"
         self.wait_share: float | None = 0.0 if mode == "auto" else None  # moving average over rounds
         self._round_started = 0.0
         self._wait_before = 0.0
@@ -200,6 +204,8 @@ class PrefetchScheduler:
                     [(key, self._predicted[key]) for key in self._ahead])
 
     def pump(self) -> None:
+        if self.lazy:
+            return  # flush issues the window once the round's predictions are complete
         if self.cache.in_flight >= self.max_in_flight:
             return  # nothing could be issued now; the next pump (or flush) looks again
         missing = self._missing()
@@ -274,3 +280,4 @@ class PrefetchScheduler:
             self.conservative = True
         elif self.wait_share < AUTO_LEAVE_WAIT:
             self.conservative = False
+

@@ -50,7 +50,9 @@ def _row(label: str, budget: float | None, link: str | None, compile_: bool, med
     }
     if specter:
         row.update(phases=dict(PHASES), governor_summary={"name": "fixed"},
-                   prefetch={"mode": "auto", "conservative": link == "slow", "transfer_wait_share": 0.5})
+                   prefetch={"mode": "lazy" if link == "fast" and budget == 0.5 else "auto",
+                             "conservative": link == "slow", "lazy": link == "fast" and budget == 0.5,
+                             "transfer_wait_share": 0.5})
     row.update(extra)
     return row
 

@@ -131,6 +131,7 @@ def test_where_the_time_goes(bench):
     assert row[12] == "0.48x"
     assert row[13:] == ["25.0%", "62.5%", "10.0%", "conservative (auto)"]
     assert _phase_row(rows, "specter k=4", "25%", "fast")[16] == "aggressive (auto)"
+    assert _phase_row(rows, "specter k=4", "50%", "fast")[16] == "lazy"
     compiled = _phase_row(rows, "specter roofline", "25%", "fast", "compiled")
     assert compiled[12] == f"{2.0 / (1e3 / 36.0 / 8):.2f}x" == "0.58x"
 

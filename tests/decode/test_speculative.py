@@ -68,20 +68,22 @@ def test_specter_greedy_equals_resident(arch, k, budget, checkpoints, resident):
     assert all(len(ids) == MAX_NEW for ids in result.token_ids)  # the zoo models never emit EOS (2) here
 
 
+@pytest.mark.parametrize("mode", ("conservative", "lazy"))
 @pytest.mark.parametrize("engine", ("specter", "router-lookahead"))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_conservative_prefetch_keeps_the_tokens(arch, engine, checkpoints, resident):
+def test_conservative_and_lazy_prefetch_keep_the_tokens(arch, engine, mode, checkpoints, resident):
     runner = specter.load(recipe(checkpoints[arch], engine, budget=0.25, k=4,
                                  offload={"link": {"kind": "local"}, "expert_budget": 0.25,
-                                          "prefetch": "conservative", "cache_policy": {"name": "lookahead"}}))
-    try:
-        assert runner.scheduler.conservative
+                                          "prefetch": mode, "cache_policy": {"name": "lookahead"}}))
+    with runner:
+        assert (runner.scheduler.conservative, runner.scheduler.lazy) == (mode == "conservative", mode == "lazy")
         result = runner.generate(PROMPTS)
         assert result.token_ids == resident[arch]
-        assert result.report["prediction"]["prefetch_mode"] == "conservative"
-        assert result.report["prediction"]["conservative_now"] is True
-    finally:
-        runner.close()
+        assert result.report["prediction"]["prefetch_mode"] == mode
+        assert result.report["prediction"]["conservative_now"] is (mode == "conservative")
+        assert result.report["prediction"]["lazy_now"] is (mode == "lazy")
+        if engine == "specter" and mode == "lazy":
+            assert result.report["prediction"]["issued_while_drafting"] == 0
 
 
 def test_auto_prefetch_turns_conservative_on_a_link_that_keeps_rounds_waiting(checkpoints, resident):

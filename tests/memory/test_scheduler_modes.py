@@ -1,5 +1,6 @@
 """PrefetchScheduler's modes: ``conservative`` never evicts a prediction of the round except for
-the first layer ahead; ``auto`` turns conservative while rounds wait on transfers, and back."""
+the first layer ahead; ``lazy`` issues nothing while the draft runs; ``auto`` turns conservative
+while rounds wait on transfers, and back."""
 
 from __future__ import annotations
 
@@ -98,6 +99,35 @@ def test_auto_turns_conservative_while_rounds_wait_on_transfers_and_back() -> No
     for _ in range(3):
         scheduler._observe_wait(wait_s=0.0, round_s=0.1)
     assert not scheduler.conservative and scheduler.wait_share < 0.2
+    for _ in range(20):
+        scheduler._observe_wait(wait_s=0.0, round_s=0.1)
+    assert not scheduler.lazy  # auto is never lazy
+
+
+def test_lazy_issues_nothing_while_drafting_and_so_never_evicts_what_a_later_draft_step_predicts() -> None:
+    """Four slots hold (0, 2), (1, 2), (0, 3), (1, 3), least recently used first. A first draft step
+    predicts (0, 0) and (1, 0), a second (0, 2) and (1, 2). Pumping after each step evicts the
+    two least recently used keys, (0, 2) and (1, 2), which the second step then needs back: four
+    copies. Lazy issues at the flush, with the round known, and evicts (0, 3) and (1, 3): two."""
+    copies = {}
+    for mode in ("aggressive", "lazy"):
+        cache, link = make_cache(n_slots=4, policy=LookaheadPolicy(), layers=(0, 1))
+        cache.preload([(0, 2), (1, 2), (0, 3), (1, 3)])
+        scheduler = PrefetchScheduler(cache, max_in_flight=8, mode=mode)
+        scheduler.begin_round()
+        for expert in (0, 2):
+            scheduler.add_many([(0, [expert], [0.9]), (1, [expert], [0.9])])
+            scheduler.pump()
+            link.complete_all()
+        if mode == "lazy":
+            assert link.submitted == []  # nothing while drafting
+        scheduler.flush()
+        if mode == "lazy":
+            assert submitted_keys(cache, link) == [(0, 0), (1, 0)]
+        verify_round(cache, link, scheduler, {0: [0, 2], 1: [0, 2]})
+        scheduler.end_round({(0, 0), (0, 2), (1, 0), (1, 2)})
+        copies[mode] = (len(link.submitted), cache.stats.misses)
+    assert copies == {"aggressive": (4, 0), "lazy": (2, 0)}
 
 
 def test_auto_measures_each_round_between_begin_and_end(monkeypatch) -> None:
@@ -113,5 +143,5 @@ def test_auto_measures_each_round_between_begin_and_end(monkeypatch) -> None:
 
 def test_an_unknown_mode_is_refused() -> None:
     cache, _ = make_cache(n_slots=4)
-    with pytest.raises(ValueError, match="aggressive, conservative, auto"):
+    with pytest.raises(ValueError, match="aggressive, conservative, lazy, auto"):
         PrefetchScheduler(cache, mode="eager")

@@ -6,7 +6,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
+
+import specter
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cache_replay.py"
 spec = importlib.util.spec_from_file_location("cache_replay", SCRIPT)
@@ -45,3 +48,22 @@ def test_rounds_join_the_experts_each_layer_needs_across_their_tokens() -> None:
 def test_the_pool_starts_with_the_prefills_last_experts() -> None:
     prefill = [torch.tensor([[0, 1], [2, 1]]), torch.tensor([[3, 0]])]
     assert cache_replay.warm(prefill, 3) == [(0, 1), (1, 3), (1, 0)]
+
+
+@pytest.mark.parametrize("budget", (0.25, 0.5))
+def test_the_rules_replay_the_rounds_a_speculative_engine_verified(tiny_mixtral, budget) -> None:
+    recipe = {"model": str(tiny_mixtral), "engine": "specter", "threads": 1, "max_new_tokens": 12,
+              "prompts": ["The cache holds", "Experts stream in"], "check_lossless": False,
+              "offload": {"expert_budget": budget, "link": {"kind": "local"}},
+              "speculation": {"governor": {"name": "fixed", "k": 3, "options": {}}}}
+    with specter.load(recipe) as engine:
+        per_prompt, copies, tokens = cache_replay.record_verified_rounds(engine)
+        assert engine.scheduler.begin_round.__self__ is engine.scheduler  # the hooks are removed again
+        capacity, layers = engine.cache.capacity, len(engine.cache.store.layers)
+    assert len(per_prompt) == 2 and tokens == 2 * 11
+    for requests, initial in per_prompt:
+        assert requests and len(requests) % layers == 0  # a set per MoE layer per round
+        assert [next(iter(group))[0] for group in requests[:layers]] == sorted(engine.cache.store.layers)
+        assert 0 < len(initial) <= capacity
+    floor = sum(cache_replay.replay(r, capacity, i, "min", layers) for r, i in per_prompt)
+    assert 0 < floor <= copies  # no schedule copies fewer than MIN for the requests it served
