@@ -280,4 +280,3 @@ class PrefetchScheduler:
             self.conservative = True
         elif self.wait_share < AUTO_LEAVE_WAIT:
             self.conservative = False
-
