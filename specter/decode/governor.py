@@ -16,7 +16,7 @@ does not use. ``summary() -> dict`` is the report's ``governor`` entry (default:
 its name) and covers the rounds since the last ``new_report()``, which the engine calls at the
 start of every ``generate`` (what the governor learned is kept across reports). ``link_changed()``
 (optional) is called when the engine starts moving experts over another link (``use_link``):
-costs measured on the old link no longer hold.
+costs measured on the old link no longer hold; ``start_prompt()`` (optional) when a prompt begins.
 Built-ins (``specter.decode.governors``): ``fixed`` (always k) and ``roofline``
 (``specter.decode.roofline``).
 """
@@ -49,6 +49,10 @@ class Governor(ABC):
     def new_report(self) -> None:
         """A new report starts (one ``generate`` call): ``summary()`` covers the rounds from here
         on, while what the governor has learned stays. The default keeps nothing per report."""
+
+    def start_prompt(self) -> None:
+        """A prompt's prefill ran: the next round is its first decoding round (the cache holds
+        what the prefill left). The default does nothing."""
 
     def link_changed(self) -> None:
         """Experts move over another link from now on: round costs measured so far were of the

@@ -78,7 +78,7 @@ import statistics
 
 from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import Governor
-from specter.decode.roofline_cost import STALE_HALF_LIFE, PlainRound, VerifyCost, WaitPerToken
+from specter.decode.roofline_cost import STALE_HALF_LIFE, PlainRound, PromptWaits, VerifyCost
 from specter.decode.roofline_fit import Ema, distinct_experts
 from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch
 
@@ -125,7 +125,8 @@ class RooflineGovernor(Governor):
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
         self._steady_round: dict[int, int] = {}  # ... in a round at the same k as the round before
         self.cost = VerifyCost(n_experts, top_k, k_max, cache_slots_per_layer)  # drafted widths' verify seconds
-        self.wait = WaitPerToken()  # ... and their transfer waits, per verified token
+        self.wait = PromptWaits()  # ... and their transfer waits, per verified token, by place in the prompt
+        self.prompt_round = 0  # rounds since the current prompt's prefill (``start_prompt``)
         self._changed_at = -1  # the round whose time showed that conditions changed
         self._previous_drafted = 0  # tokens the last observed round drafted
         self.rounds = 0
@@ -157,7 +158,7 @@ class RooflineGovernor(Governor):
         curve = self.cost.curve(self.rounds, self._changed_at)
         if curve is not None:
             now = (self.rounds, self._changed_at)
-            wait = self.wait.by_width(width, *now) if self.always_streams() else self.wait.value(*now)
+            wait = self.wait.by_width(width, *now) if self.always_streams() else self.wait.value(*now, self.prompt_round)
             return curve[min(width, len(curve) - 1)] + width * (wait or 0.0)
         if self.plain.value is not None:
             return self.plain.value * u
@@ -274,8 +275,12 @@ class RooflineGovernor(Governor):
                 log.warning("roofline governor: speculation does not pay here; decoding plainly (k=0), probing now and then")
         self._speculating = speculating
 
+    def start_prompt(self) -> None:
+        self.prompt_round = 0
+
     def observe(self, drafted: int, accepted: int, **timings: float) -> None:
         self.rounds += 1
+        place, self.prompt_round = self.prompt_round, self.prompt_round + 1
         kept_all_while_off = False
         if self.history and self.history[-1]["probe"] and drafted and not self._calibration:
             kept_all_while_off = self._speculating is False and accepted == drafted
@@ -287,7 +292,7 @@ class RooflineGovernor(Governor):
         warm_plain = drafted == 0 and after_draft and self.plain.samples > 0  # measured since the last restart
         transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
         first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
-        sample = (self.rounds, drafted, timings, transition, not (warm_plain or first))
+        sample = (self.rounds, drafted, timings, transition, not (warm_plain or first), place)
         verdict = self._judge(drafted, timings, transition)
         if verdict == HOLD:
             self.watch.hold(sample)  # learnt from only if the next round is as far off
@@ -320,7 +325,8 @@ class RooflineGovernor(Governor):
         known = last >= self._changed_at and self.rounds - last <= STALE_HALF_LIFE
         return self.watch.judge(timings["round_s"], predicted, transition, known)
 
-    def _learn(self, now: int, drafted: int, timings: dict, transition: bool, measured_verify: bool) -> None:
+    def _learn(self, now: int, drafted: int, timings: dict, transition: bool, measured_verify: bool,
+               place: int) -> None:
         """Moves the estimates by one round's timings (``now``: the round it was)."""
         trial = bool(timings.get("path_trial"))  # a compiled path's trial: not what this k costs
         steps = int(timings.get("draft_steps", 0) or 0)
@@ -335,7 +341,7 @@ class RooflineGovernor(Governor):
                 if "verify_io_wait_s" in timings:  # the waits pooled apart; the fit sees the rest
                     self.cost.waits_apart()
                     wait = min(sample, max(0.0, timings["verify_io_wait_s"]))
-                    self.wait.add(width, wait, now)
+                    self.wait.add(width, wait, now, place)
                 self.cost.add(width, sample - wait, now, TRANSITION_WEIGHT if transition else 1.0)
             else:
                 self.plain.add(sample, now)
@@ -367,7 +373,7 @@ class RooflineGovernor(Governor):
         self._interval, self._next_probe = self.probe_every, self.rounds + self.probe_every
         self.plain.restart()
         if self.wait.samples:
-            self.wait = WaitPerToken()
+            self.wait = PromptWaits()
             self._calibration = [0, 0, *([self.k_max] if self.always_streams() else [])]
         else:
             self._changed_at = self.rounds + 1

@@ -70,6 +70,8 @@ from specter.decode.roofline_watch import changed
 MAX_SAMPLES = 96  # the drafted rounds the verify cost is fitted through (the most recent)
 OWN_FIT_WIDTHS = 3  # after a change of conditions, the rounds since are fitted alone from this many widths on
 OWN_WAIT_ROUNDS = 3  # ... and their transfer waits are pooled alone from this many rounds on
+PROMPT_POOLS = 5  # rounds 0-3 after a prefill pool their waits apart, round 4 on together
+OWN_PLACE_ROUNDS = 2  # a place's own pool answers from this many rounds on
 RESIDUAL_PRIOR = 1.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
 
@@ -152,6 +154,33 @@ class WaitPerToken:
         # non-increasing in the width: the isotonic regression of the negated rates
         falling = monotone([-waited[t] / tokens[t] for t in widths], [tokens[t] for t in widths])
         self._by_width = {t: -rate for t, rate in zip(widths, falling)}
+
+
+class PromptWaits:
+    """``WaitPerToken`` kept apart by a round's place in its prompt: the first ``PROMPT_POOLS - 1``
+    rounds after a prefill each pool their own waits (the prefill left the cache holding its own
+    experts, so they stream the decode's in), later rounds one pool; ``value`` answers from the
+    place's pool once it holds ``OWN_PLACE_ROUNDS`` rounds (each pool as ``WaitPerToken`` pools),
+    else from all rounds pooled."""
+
+    def __init__(self) -> None:
+        self.all = WaitPerToken()
+        self.by_place = [WaitPerToken() for _ in range(PROMPT_POOLS)]
+
+    @property
+    def samples(self) -> deque:
+        return self.all.samples
+
+    def add(self, width: int, seconds: float, round_index: int, place: int) -> None:
+        self.all.add(width, seconds, round_index)
+        self.by_place[min(place, PROMPT_POOLS - 1)].add(width, seconds, round_index)
+
+    def value(self, now: int, changed_at: int, place: int) -> float | None:
+        own = self.by_place[min(place, PROMPT_POOLS - 1)]
+        return (own if len(own.samples) >= OWN_PLACE_ROUNDS else self.all).value(now, changed_at)
+
+    def by_width(self, width: int, now: int, changed_at: int) -> float | None:
+        return self.all.by_width(width, now, changed_at)
 
 
 class VerifyCost:

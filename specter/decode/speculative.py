@@ -261,6 +261,8 @@ class SpecterEngine(PrefetchingEngine):
 
     def start_prompt(self) -> None:
         self.guarded(self.predictor.reset)
+        if hasattr(self.governor, "start_prompt"):  # optional in the governor contract
+            call_plugin("governor", self.governor, "start_prompt")
 
     def decode_round(self, token: int, kv, generator, metrics, remaining: int, context: list[int]) -> list[int]:
         """One speculative round: draft k (the governor's choice, at most ``remaining - 1``),

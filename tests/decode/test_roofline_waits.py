@@ -71,7 +71,7 @@ def test_where_wide_rounds_share_the_experts_they_stream_the_governor_goes_wide(
         governor = RooflineGovernor(k=4, k_max=16, cache_slots_per_layer=4.0)
         if not by_width:
             governor._calibration = calibration_rounds(4, 16)
-            governor.wait.by_width = lambda width, now, changed_at: governor.wait.value(now, changed_at)
+            governor.wait.by_width = lambda width, now, changed_at: governor.wait.all.value(now, changed_at)
         log: list[tuple[int, float]] = []
         drive(governor, cell(seed), 60, log)
         return rate(log)
@@ -100,3 +100,28 @@ def test_where_every_round_streams_the_governor_follows_a_faster_link_and_back()
             drive(governor, cell(seed, *phase), 80, log)
             rates[index].append(rate(log[20:]) / best[index])
     assert all(sum(phase) / len(phase) >= 0.9 for phase in rates), rates
+
+
+def test_the_rounds_right_after_a_prefill_have_their_own_waits():
+    # each prompt's first two rounds wait 30 ms a verified token on copies (the prefill left the
+    # cache holding its own experts), the later ones 0.5 ms: the governor predicts each place in a
+    # prompt from its own rounds, where the waits pooled over all rounds overprice a steady round
+    # (the bundled model's main job, stop 40: 50-110 ms a round, then 0-4 ms)
+    governor = RooflineGovernor(k=4)
+
+    def verify_s(width: int, place: int) -> tuple[float, float]:
+        wait = (30e-3 if place < 2 else 0.5e-3) * width
+        return 2e-3 * width + wait, wait
+
+    for _ in range(12):
+        governor.start_prompt()
+        for place in range(8):
+            k = governor.next_k()
+            seconds, wait = verify_s(k + 1, place)
+            governor.observe(drafted=k, accepted=k, draft_s=3e-3 * k, draft_steps=k, flush_s=0.0, verify_s=seconds,
+                             verify_io_wait_s=wait, host_s=1e-3, round_s=seconds + 3e-3 * k + 1e-3)
+    for place in (0, 1, 5):
+        governor.prompt_round = place
+        assert abs(governor.verify_s(5) / verify_s(5, place)[0] - 1) < 0.15, place
+    pooled = 2e-3 * 5 + 5 * governor.wait.all.value(governor.rounds, governor._changed_at)
+    assert pooled > 1.3 * verify_s(5, 5)[0]
