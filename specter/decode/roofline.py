@@ -12,8 +12,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   ``draft_steps`` say it does not, 0 for k = 0); ``V(T)`` is the flush + verification time of
   a width-T pass, transfer waits included, so the link, the cache and streaming are in it as
   they are on this machine. A drafted width's transfer waits (the engine's ``verify_io_wait_s``)
-  are ``T`` times ``WaitPerToken``'s rate, pooled over every drafted round (one round's wait
-  scatters far more than the rest of its verification), or where every round streams
+  are ``T`` times ``WaitPerToken``'s rate, pooled over the drafted rounds at the same place in
+  their prompt (``PromptWaits``: the first rounds after a prefill stream the decode's experts in;
+  one round's wait scatters far more than the rest of its verification), or where every round streams
   (``always_streams``) its rate at T (``by_width``); the rest follows ``VerifyCost``
   (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
   rounds, of the experts read, the tokens and (for an engine that reports no waits) the experts
@@ -126,7 +127,7 @@ class RooflineGovernor(Governor):
         self._steady_round: dict[int, int] = {}  # ... in a round at the same k as the round before
         self.cost = VerifyCost(n_experts, top_k, k_max, cache_slots_per_layer)  # drafted widths' verify seconds
         self.wait = PromptWaits()  # ... and their transfer waits, per verified token, by place in the prompt
-        self.prompt_round = 0  # rounds since the current prompt's prefill (``start_prompt``)
+        self.prompt_round = 0  # rounds since the prompt's prefill (``start_prompt``)
         self._changed_at = -1  # the round whose time showed that conditions changed
         self._previous_drafted = 0  # tokens the last observed round drafted
         self.rounds = 0
