@@ -42,8 +42,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
-from specter.kernels import native_rows
-from specter.kernels.grouped_experts import PairsBySlot, grouped_experts, supports
+from specter.kernels.grouped_experts import PairsBySlot, grouped_experts, supports, takes_native
 from specter.model.layout import MoELayer
 
 IMPLEMENTATION_NAME = "specter"
@@ -154,8 +153,7 @@ class ExpertRuntime:
         capacity = self.cache.capacity
         view = self._views[layer]
         if len(needed) <= capacity:
-            if self.waves and supports(view) and native_rows.serves(hidden, view.gate_up_proj, view.down_proj) \
-                    and not (torch.is_grad_enabled() and hidden.requires_grad):
+            if self.waves and supports(view) and takes_native(hidden, top_k_weights, view.gate_up_proj, view.down_proj):
                 return self._compute_in_waves(layer, view, needed, hidden, top_k_index, top_k_weights)
             return self._compute_chunk(layer, view, needed, hidden, top_k_index, top_k_weights)
         output = torch.zeros_like(hidden)

@@ -24,7 +24,7 @@ Contract:
 - ``PairsBySlot(x, slot_ids, weights, n_slots)``: the same pairs sorted by slot once, computed a
   set of slots at a time (``compute(slots, ...)``, as their weights arrive) and summed over j once
   (``result``): the bits of ``native_grouped_experts`` in one call, for any split of the slots
-  (``serves`` must hold; eager only: a wave's rows have a data-dependent count).
+  (``takes_native`` must hold; eager only: a wave's rows have a data-dependent count).
 - ``supports(module)``: whether a transformers experts module has the layout this kernel covers
   (gated, [out, in] weights, no biases, no post-expert norm: Mixtral, Qwen2/3-MoE, OLMoE,
   DeepSeek, PhiMoE); other layouts use transformers' own kernel.
@@ -50,7 +50,7 @@ def supports(module: nn.Module) -> bool:
 def grouped_experts(
     x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate
 ) -> Tensor:
-    if native_rows.serves(x, gate_up, down) and not _needs_grad(x, weights, gate_up, down):
+    if takes_native(x, weights, gate_up, down):
         return native_grouped_experts(x, ids, weights, gate_up, down, apply_gate)
     n_tokens, top_k = ids.shape
     n_groups = gate_up.shape[0]
@@ -73,6 +73,12 @@ def grouped_experts(
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def takes_native(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    """Whether ``grouped_experts`` computes through the native kernel (``PairsBySlot``'s
+    precondition): ``native_rows.serves`` and no autograd to record."""
+    return native_rows.serves(x, gate_up, down) and not _needs_grad(x, weights, gate_up, down)
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
