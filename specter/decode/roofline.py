@@ -75,13 +75,12 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 
 from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import Governor
 from specter.decode.roofline_cost import STALE_HALF_LIFE, PlainRound, PromptWaits, VerifyCost
 from specter.decode.roofline_fit import Ema, distinct_experts
-from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch
+from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch, prediction_by_k
 
 log = logging.getLogger("specter.governor")
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
@@ -387,17 +386,8 @@ class RooflineGovernor(Governor):
         """The report's governor entry: the roofline table, and over the rounds since
         ``new_report``, the k chosen per round and how far the predicted round times were from
         the measured ones."""
-        per_k = {}
         history = self.history[self._report_from:]
-        for k in sorted({h["k"] for h in history}):
-            pairs = [(h["predicted_round_s"], h["measured_round_s"]) for h in history
-                     if h["k"] == k and h["predicted_round_s"] and h["measured_round_s"]
-                     and not h["probe"] and not h["cut"] and not h["trial"]]
-            if pairs:
-                predicted = statistics.median(p for p, _ in pairs)
-                measured = statistics.median(m for _, m in pairs)
-                per_k[str(k)] = {"rounds": len(pairs), "predicted_s": predicted, "measured_s": measured,
-                                 "error": abs(predicted - measured) / measured}
+        per_k = prediction_by_k(history)
         main = max(per_k.values(), key=lambda row: row["rounds"], default=None)
         return {"name": self.name, "k_max": self.k_max, "table": self.table(),
                 "trace": [h["k"] for h in history], "probes": sum(h["probe"] for h in history),

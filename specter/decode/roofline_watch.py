@@ -20,6 +20,8 @@ and returns
 - ``CHANGE``: such a round right after a held one, off the same way: conditions changed; the
   governor learns the held round's samples (``take_held()``) and then this one's.
 A held round that the next round does not confirm is dropped, unlearnt.
+``prediction_by_k(history)``: for the report, per k the chosen rounds' median predicted and
+measured seconds and the relative error between them (probes, trials and cut rounds left out).
 Why: on this VM a round now and then takes several times its usual time for reasons of its own
 (widened model, 50% of the experts, emulated 20 GB/s: a k = 5 round took 140 ms against 46
 predicted, its five draft steps 75 ms, 5x the rounds around it, which ran as predicted); taken as
@@ -30,6 +32,7 @@ governor went through k = 0 and k = 12-14 for the next twenty rounds before it s
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from specter.decode.roofline_fit import Ema
@@ -84,3 +87,20 @@ class RoundWatch:
         if self.held is not None:
             self.held = None
             self.dropped += 1
+
+
+def prediction_by_k(history: list[dict]) -> dict[str, dict]:
+    """Per k (a string key) of the governor's history entries (``k``, ``probe``, ``cut``,
+    ``trial``, ``predicted_round_s``, ``measured_round_s``): rounds, median predicted and
+    measured seconds, and ``error = |predicted - measured| / measured``."""
+    per_k = {}
+    for k in sorted({h["k"] for h in history}):
+        pairs = [(h["predicted_round_s"], h["measured_round_s"]) for h in history
+                 if h["k"] == k and h["predicted_round_s"] and h["measured_round_s"]
+                 and not h["probe"] and not h["cut"] and not h["trial"]]
+        if pairs:
+            predicted = statistics.median(p for p, _ in pairs)
+            measured = statistics.median(m for _, m in pairs)
+            per_k[str(k)] = {"rounds": len(pairs), "predicted_s": predicted, "measured_s": measured,
+                             "error": abs(predicted - measured) / measured}
+    return per_k

@@ -4,7 +4,7 @@ round far off is held back and dropped, two in a row are a change; and what a ne
 from __future__ import annotations
 
 from specter.decode.roofline import RooflineGovernor
-from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch
+from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch, prediction_by_k
 
 from roofline_machines import Machine, WaitingMachine, drive, fixed_rate, settled
 
@@ -99,3 +99,14 @@ def test_after_a_new_link_where_waits_are_reported_only_the_waits_and_the_plain_
         assert abs(governor.round_s(k) - true_round) < 0.3 * true_round, k
     best = max(fixed_rate(machine(0.5e-3), k, 2000) for k in range(9))
     assert settled(chosen) >= 6 and sum(t for t, _ in log[2:]) / sum(s for _, s in log[2:]) >= 0.9 * best
+
+
+def test_prediction_by_k_takes_medians_of_chosen_rounds_only():
+    def entry(k, predicted, measured, **flags):
+        return {"k": k, "predicted_round_s": predicted, "measured_round_s": measured,
+                "probe": False, "cut": False, "trial": False, **flags}
+
+    history = [entry(4, 0.10, 0.08), entry(4, 0.10, 0.12), entry(4, 0.20, 0.10),
+               entry(4, 0.5, 0.01, probe=True), entry(2, 0.05, 0.5, cut=True), entry(2, 0.05, 0.5, trial=True),
+               entry(6, None, 0.2)]
+    assert prediction_by_k(history) == {"4": {"rounds": 3, "predicted_s": 0.10, "measured_s": 0.10, "error": 0.0}}
