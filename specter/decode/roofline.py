@@ -12,10 +12,12 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   ``draft_steps`` say it does not, 0 for k = 0); ``V(T)`` is the flush + verification time of
   a width-T pass, transfer waits included, so the link, the cache and streaming are in it as
   they are on this machine. A drafted width's transfer waits (the engine's ``verify_io_wait_s``)
-  are ``T`` times ``WaitPerToken``'s rate, pooled over the drafted rounds at the same place in
-  their prompt (``PromptWaits``: the first rounds after a prefill stream the decode's experts in;
-  one round's wait scatters far more than the rest of its verification), or where every round streams
-  (``always_streams``) its rate at T (``by_width``); the rest follows ``VerifyCost``
+  are ``T`` times the rate at T of the drafted rounds at the same place in their prompt
+  (``PromptWaits``: the first rounds after a prefill stream the decode's experts in; each width's
+  rate shrunk towards the place's pooled rate, as one round's wait scatters far more than the rest
+  of its verification, then made non-increasing in T, as a wide round's tokens share the experts
+  they wait for), or where every round streams (``always_streams``) the widths' own rates at T over
+  all places (``by_width``); the rest follows ``VerifyCost``
   (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
   rounds, of the experts read, the tokens and (for an engine that reports no waits) the experts
   streamed past the cache's slots (a round's time depends on the width before it, so one
@@ -158,7 +160,7 @@ class RooflineGovernor(Governor):
         curve = self.cost.curve(self.rounds, self._changed_at)
         if curve is not None:
             now = (self.rounds, self._changed_at)
-            wait = self.wait.by_width(width, *now) if self.always_streams() else self.wait.value(*now, self.prompt_round)
+            wait = self.wait.by_width(width, *now) if self.always_streams() else self.wait.value(*now, self.prompt_round, width)
             return curve[min(width, len(curve) - 1)] + width * (wait or 0.0)
         if self.plain.value is not None:
             return self.plain.value * u

@@ -43,15 +43,16 @@ k = 1 for 3-4 rounds, then 5-6: 0.93 and 0.96x the best fixed k in two runs; wit
 Fitting the waits by distinct experts and streamed experts as well was tried: wider rounds then
 looked cheaper at 50% on 2 GB/s, and the governor climbed to k = 12-14 (fixed k = 12 and 16
 there: 0.9x k = 6 or 8).
-``by_width(width, now, changed_at)``: the rate at one width, from the measured widths' own rates
+``by_width(width, now, changed_at, shrunk=False)``: the rate at one width, from the measured widths'
+own rates (``shrunk``: each first shrunk towards the pooled rate by ``WIDTH_PRIOR_ROUNDS`` rounds)
 made non-increasing in the width (weighted isotonic regression, a width weighing its rounds' age
 weights times the width), linear between measured widths and flat beyond them. The governor
-takes it where every round streams (its ``always_streams``): there a wide round's tokens share
+takes it unshrunk where every round streams (its ``always_streams``): there a wide round's tokens share
 the experts they stream, so its wait per token is no higher (25% on 2 GB/s, fixed k each, stop 36: 20.4,
 20.9, 21.6, 20.8 ms a verified token for k = 1, 2, 4, 8, then 17.3 at 12 and 15.2 at 16, where
 fixed k = 16 ran 1.23-1.29x k = 4); the pooled rate, carried by the narrow rounds the governor had
 measured, made k = 16 look slower than k = 4, and it held k = 1 or 4 (0.79-0.84x the best fixed
-k in two cell runs). At 50% a round of k = 2 still fits the cache, and the pooled rate stays.
+k in two cell runs). Elsewhere ``PromptWaits`` takes it shrunk within a place's pool (there).
 Where narrow rounds hide their copies behind the draft and wide ones wait (a fast link), the
 rates rise with the width, the regression pools them, and the rate is the pooled one. A line
 through the widths' rates was tried first: a probe a width or two from the held k set its
@@ -72,6 +73,7 @@ OWN_FIT_WIDTHS = 3  # after a change of conditions, the rounds since are fitted 
 OWN_WAIT_ROUNDS = 3  # ... and their transfer waits are pooled alone from this many rounds on
 PROMPT_POOLS = 5  # rounds 0-3 after a prefill pool their waits apart, round 4 on together
 OWN_PLACE_ROUNDS = 2  # a place's own pool answers from this many rounds on
+WIDTH_PRIOR_ROUNDS = 4.0  # rounds at the pooled rate a width's own wait rate is shrunk with
 RESIDUAL_PRIOR = 1.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
 
@@ -121,6 +123,7 @@ class WaitPerToken:
         self._key: tuple | None = None
         self._value: float | None = None
         self._by_width: dict[int, float] = {}  # measured width -> its non-increasing rate (``by_width``)
+        self._shrunk: dict[int, float] = {}  # ... shrunk towards the pooled rate first
 
     def add(self, width: int, seconds: float, round_index: int) -> None:
         self.samples.append((width, max(0.0, seconds), round_index))
@@ -130,12 +133,16 @@ class WaitPerToken:
         self._update(now, changed_at)
         return self._value
 
-    def by_width(self, width: int, now: int, changed_at: int) -> float | None:
+    def by_width(self, width: int, now: int, changed_at: int, shrunk: bool = False) -> float | None:
         """Seconds of transfer wait per verified token at ``width``: the measured widths' own
         rates made non-increasing in the width (isotonic regression, each width weighted by its
-        rounds' age weights times the width), linear between them, flat beyond them."""
+        rounds' age weights times the width), linear between them, flat beyond them. ``shrunk``:
+        each width's rate first shrunk towards the pooled rate as if ``WIDTH_PRIOR_ROUNDS`` more
+        rounds of that width had waited at it (one round's wait scatters too much to set a width's
+        rate alone)."""
         self._update(now, changed_at)
-        return interpolate(self._by_width, width) if self._by_width else self._value
+        curve = self._shrunk if shrunk else self._by_width
+        return interpolate(curve, width) if curve else self._value
 
     def _update(self, now: int, changed_at: int) -> None:
         key = _state(self.samples, now, changed_at)
@@ -154,6 +161,10 @@ class WaitPerToken:
         # non-increasing in the width: the isotonic regression of the negated rates
         falling = monotone([-waited[t] / tokens[t] for t in widths], [tokens[t] for t in widths])
         self._by_width = {t: -rate for t, rate in zip(widths, falling)}
+        pooled, prior = self._value or 0.0, WIDTH_PRIOR_ROUNDS
+        shrunk = [-(waited[t] + prior * t * pooled) / (tokens[t] + prior * t) for t in widths]
+        falling = monotone(shrunk, [tokens[t] + prior * t for t in widths])
+        self._shrunk = {t: -rate for t, rate in zip(widths, falling)}
 
 
 class PromptWaits:
@@ -161,7 +172,12 @@ class PromptWaits:
     rounds after a prefill each pool their own waits (the prefill left the cache holding its own
     experts, so they stream the decode's in), later rounds one pool; ``value`` answers from the
     place's pool once it holds ``OWN_PLACE_ROUNDS`` rounds (each pool as ``WaitPerToken`` pools),
-    else from all rounds pooled."""
+    else from all rounds pooled; given a ``width``, the pool's ``by_width(shrunk=True)`` rate.
+    Why by width where rounds fit the cache too: at 50% of the widened model on 2 GB/s the wait
+    per verified token falls from 10.3 ms at k = 1 to 7.4 at k = 8 (bench-governor stop 40, fixed
+    k each), and the pooled rate, carried by the calibration's narrow rounds, priced k = 8 ~10% too
+    dear: the governor held k = 5-6 where k = 8 ran 4-13% faster. Why shrunk: a width probed once
+    would otherwise set the rate of every width past it (the test of scattered waits: 52% off)."""
 
     def __init__(self) -> None:
         self.all = WaitPerToken()
@@ -175,9 +191,10 @@ class PromptWaits:
         self.all.add(width, seconds, round_index)
         self.by_place[min(place, PROMPT_POOLS - 1)].add(width, seconds, round_index)
 
-    def value(self, now: int, changed_at: int, place: int) -> float | None:
+    def value(self, now: int, changed_at: int, place: int, width: int | None = None) -> float | None:
         own = self.by_place[min(place, PROMPT_POOLS - 1)]
-        return (own if len(own.samples) >= OWN_PLACE_ROUNDS else self.all).value(now, changed_at)
+        pool = own if len(own.samples) >= OWN_PLACE_ROUNDS else self.all
+        return pool.value(now, changed_at) if width is None else pool.by_width(width, now, changed_at, shrunk=True)
 
     def by_width(self, width: int, now: int, changed_at: int) -> float | None:
         return self.all.by_width(width, now, changed_at)
