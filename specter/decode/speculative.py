@@ -191,8 +191,7 @@ class SpecterEngine(PrefetchingEngine):
 
     def use_link(self, link) -> None:
         super().use_link(link)
-        if hasattr(self.governor, "link_changed"):  # optional in the governor contract
-            call_plugin("governor", self.governor, "link_changed")
+        call_plugin("governor", self.governor, "link_changed")  # Governor's default does nothing
 
     def _draft_steps(self, k: int) -> int:
         """Draft forward passes for k drafted tokens: k, plus the routing-only one (lookahead_last)."""
@@ -261,8 +260,7 @@ class SpecterEngine(PrefetchingEngine):
 
     def start_prompt(self) -> None:
         self.guarded(self.predictor.reset)
-        if hasattr(self.governor, "start_prompt"):  # optional in the governor contract
-            call_plugin("governor", self.governor, "start_prompt")
+        call_plugin("governor", self.governor, "start_prompt")  # Governor's default does nothing
 
     def decode_round(self, token: int, kv, generator, metrics, remaining: int, context: list[int]) -> list[int]:
         """One speculative round: draft k (the governor's choice, at most ``remaining - 1``),
