@@ -158,13 +158,16 @@ class WaitPerToken:
         total = sum(tokens.values())
         self._key, self._value = key, sum(waited.values()) / total if total else None
         widths = sorted(t for t in tokens if tokens[t] > 0)
-        # non-increasing in the width: the isotonic regression of the negated rates
-        falling = monotone([-waited[t] / tokens[t] for t in widths], [tokens[t] for t in widths])
-        self._by_width = {t: -rate for t, rate in zip(widths, falling)}
+        self._by_width = _falling({t: (waited[t], tokens[t]) for t in widths})
         pooled, prior = self._value or 0.0, WIDTH_PRIOR_ROUNDS
-        shrunk = [-(waited[t] + prior * t * pooled) / (tokens[t] + prior * t) for t in widths]
-        falling = monotone(shrunk, [tokens[t] + prior * t for t in widths])
-        self._shrunk = {t: -rate for t, rate in zip(widths, falling)}
+        self._shrunk = _falling({t: (waited[t] + prior * t * pooled, tokens[t] + prior * t) for t in widths})
+
+
+def _falling(by_width: dict[int, tuple[float, float]]) -> dict[int, float]:
+    """Width -> rate from width -> (seconds, tokens), made non-increasing in the width: the
+    isotonic regression of the negated rates, each width weighted by its tokens."""
+    falling = monotone([-seconds / tokens for seconds, tokens in by_width.values()], [t for _, t in by_width.values()])
+    return {t: -rate for t, rate in zip(by_width, falling)}
 
 
 class PromptWaits:
