@@ -24,6 +24,12 @@
 
 namespace {
 
+// Each line of a weight row is prefetched this far (1 KiB) ahead of its use: the rows of a weight
+// lie back to back, and a weight read from memory otherwise stalls the loop (one thread, this VM's
+// Xeon, 24 [8192, 256] + [256, 4096] experts cycled: three rows 1.12 -> 1.00-1.01 ms an expert,
+// one row 0.95 -> 0.93-0.94; in the engine, verification per expert read 1.23 -> 1.14-1.17 ms).
+constexpr int64_t kPrefetchFloats = 256;
+
 inline float hsum(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -36,6 +42,7 @@ inline void dot_rows(const float* w, const float* x, int64_t k, float* out, int6
   __m256 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; i += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchFloats), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
     for (int r = 0; r < R; ++r) {
       a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * k + i), a0[r]);
@@ -54,6 +61,8 @@ inline void dot_rows_quad(const float* w, const float* x, int64_t k, float* out,
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q) a[r][q] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; i += 8) {
+    if ((i & 15) == 0)
+      for (int q = 0; q < 4; ++q) _mm_prefetch(reinterpret_cast<const char*>(w + q * k + i + kPrefetchFloats), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + k + i);
     const __m256 w2 = _mm256_loadu_ps(w + 2 * k + i), w3 = _mm256_loadu_ps(w + 3 * k + i);
     for (int r = 0; r < R; ++r) {
