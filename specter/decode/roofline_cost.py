@@ -15,7 +15,12 @@ stream). A round weighs its ``weight`` times ``0.5 ** (age / STALE_HALF_LIFE)``.
 before that, the fit through the rounds before them is scaled to them (a line through one or
 two widths would put every other width on it, however far). Each measured width adds its mean
 residual shrunk by ``RESIDUAL_PRIOR`` rounds (a cost the terms cannot follow shows once a width
-has run a while), and the curve is non-decreasing in T (``cost_curve``).
+has run a while), and the curve is non-decreasing in T (``cost_curve``). Why four rounds, not one:
+with one, a width probed once kept half of its round's luck, a bump in the curve that the
+non-decreasing fit spread over the wider widths (bench-governor's tables showed k = 6 predicted
+9% below k = 5 and k = 8 at 50% on 20 GB/s); six paired cell runs (50% of the widened model, both
+links, the one-round prior's governor beside): 1.002x fixed k = 8 on 20 GB/s against 0.982x, and
+0.956x against 0.953x on 2 GB/s.
 
 Why one fit and not an average per width: a round's time depends on the width before it
 (widened model, 50% of the experts, emulated 2 GB/s: k = 4 verified in 86 ms right after a
@@ -74,7 +79,7 @@ OWN_WAIT_ROUNDS = 3  # ... and their transfer waits are pooled alone from this m
 PROMPT_POOLS = 5  # rounds 0-3 after a prefill pool their waits apart, round 4 on together
 OWN_PLACE_ROUNDS = 2  # a place's own pool answers from this many rounds on
 WIDTH_PRIOR_ROUNDS = 4.0  # rounds at the pooled rate a width's own wait rate is shrunk with
-RESIDUAL_PRIOR = 1.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
+RESIDUAL_PRIOR = 4.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
 
 

@@ -25,9 +25,10 @@ def rate(log: list[tuple[int, float]]) -> float:
 def test_scattered_waits_reported_apart_leave_every_width_predicted_by_its_mean():
     # the waits pooled over every round per verified token, the rest of the verification (which
     # does not scatter) fitted through the widths: every width within 10% of its mean cost, over
-    # four draws. With the waits inside the fit (an engine that does not report them), the widths
-    # measured a few times carry their rounds' luck: 6-86% off in the same draws (7-205% before a
-    # lone round far off its prediction was held back, stop 37)
+    # four draws (2-6% since a width's residual counts n / (n + 4) of itself, stop 42). With the waits
+    # inside the fit (an engine that does not report them), the widths measured a few times carry
+    # their rounds' luck: 7-14% off in the same draws (6-86% with the residual at n / (n + 1);
+    # 7-205% before a lone round far off its prediction was held back, stop 37)
     def run(seed: int, reports_waits: bool) -> tuple[float, float]:
         machine = WaitingMachine(0.95, 0.0, per_expert=3e-3, wait_per_token=5e-3)
         machine.rng, machine.waits = random.Random(100 + seed), random.Random(seed)
@@ -47,7 +48,7 @@ def test_scattered_waits_reported_apart_leave_every_width_predicted_by_its_mean(
     fitted = [run(seed, False) for seed in range(4)]
     best = max(fixed_rate(WaitingMachine(0.95, 0.0, per_expert=3e-3, wait_per_token=5e-3), k, 2000) for k in range(9))
     assert max(error for error, _ in reported) < 0.1
-    assert min(error for error, _ in fitted) > 0.05 and sum(error for error, _ in fitted) / 4 > 0.2
+    assert sum(error for error, _ in fitted) > 1.5 * sum(error for error, _ in reported)
     assert sum(rate for _, rate in reported) / 4 >= 0.94 * best
 
 
