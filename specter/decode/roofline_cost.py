@@ -17,10 +17,10 @@ two widths would put every other width on it, however far). Each measured width 
 residual shrunk by ``RESIDUAL_PRIOR`` rounds (a cost the terms cannot follow shows once a width
 has run a while), and the curve is non-decreasing in T (``cost_curve``). Why four rounds, not one:
 with one, a width probed once kept half of its round's luck, a bump in the curve that the
-non-decreasing fit spread over the wider widths (a bench-governor table showed k = 6 predicted
-9% below k = 5 and 6% below k = 8 at 50% on 20 GB/s); six paired cell runs (50% of the widened model, both
-links, the one-round prior's governor beside): 1.002x fixed k = 8 on 20 GB/s against 0.982x, and
-0.956x against 0.953x on 2 GB/s.
+non-decreasing fit spread over the wider widths (a bench-governor table showed k = 6 predicted 9%
+below k = 5 and 6% below k = 8 at 50% on 20 GB/s); six paired cell runs (50% of the widened
+model, both links, the one-round prior's governor beside): 1.002x fixed k = 8 on 20 GB/s against
+0.982x, and 0.956x against 0.953x on 2 GB/s.
 
 Why one fit and not an average per width: a round's time depends on the width before it
 (widened model, 50% of the experts, emulated 2 GB/s: k = 4 verified in 86 ms right after a

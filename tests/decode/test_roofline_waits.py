@@ -48,6 +48,7 @@ def test_scattered_waits_reported_apart_leave_every_width_predicted_by_its_mean(
     fitted = [run(seed, False) for seed in range(4)]
     best = max(fixed_rate(WaitingMachine(0.95, 0.0, per_expert=3e-3, wait_per_token=5e-3), k, 2000) for k in range(9))
     assert max(error for error, _ in reported) < 0.1
+    assert min(error for error, _ in fitted) > 0.05
     assert sum(error for error, _ in fitted) > 1.5 * sum(error for error, _ in reported)
     assert sum(rate for _, rate in reported) / 4 >= 0.94 * best
 

@@ -28,7 +28,7 @@ constexpr int64_t kChunk = 64;
 // Weight rows lie back to back, one stream: each line is prefetched this far ahead of its use.
 // A cold weight (read from memory) stalls the kernel otherwise: one thread, this VM's Xeon, two
 // [E, 8192, 128] + [E, 256, 2048] experts from 40 layers cycled, 0.52-0.56 ms a token's two
-// experts without, 0.39-0.41 ms with (hot weights: 0.28-0.33 ms either way).
+// experts without, 0.39-0.42 ms with (hot weights: 0.28-0.33 ms either way).
 constexpr int64_t kPrefetchBytes = 1024;
 constexpr int64_t kGroupedMaxK = 1024;  // longer rows stream one at a time (cold, four streams of long rows read slower)
 
