@@ -17,7 +17,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   rate shrunk towards the place's pooled rate, as one round's wait scatters far more than the rest
   of its verification, then made non-increasing in T, as a wide round's tokens share the experts
   they wait for), or where every round streams (``always_streams``) the widths' own rates at T over
-  all places (``by_width``); the rest follows ``VerifyCost``
+  all places (``by_width``) but a round cut short by the generation's end (its narrow width and
+  low wait pooled the wider widths' rates down: 9-10% too cheap at 25% on 2 GB/s); the rest follows
+  ``VerifyCost``
   (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
   rounds, of the experts read, the tokens and (for an engine that reports no waits) the experts
   streamed past the cache's slots (a round's time depends on the width before it, so one
@@ -294,7 +296,8 @@ class RooflineGovernor(Governor):
         warm_plain = drafted == 0 and after_draft and self.plain.samples > 0  # measured since the last restart
         transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
         first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
-        sample = (self.rounds, drafted, timings, transition, not (warm_plain or first), place)
+        cut = bool(self.history) and self.history[-1]["k"] != drafted  # the generation's end cut the round short
+        sample = (self.rounds, drafted, timings, transition, not (warm_plain or first), place, cut)
         verdict = self._judge(drafted, timings, transition)
         if verdict == HOLD:
             self.watch.hold(sample)  # learnt from only if the next round is as far off
@@ -328,7 +331,7 @@ class RooflineGovernor(Governor):
         return self.watch.judge(timings["round_s"], predicted, transition, known)
 
     def _learn(self, now: int, drafted: int, timings: dict, transition: bool, measured_verify: bool,
-               place: int) -> None:
+               place: int, cut: bool) -> None:
         """Moves the estimates by one round's timings (``now``: the round it was)."""
         trial = bool(timings.get("path_trial"))  # a compiled path's trial: not what this k costs
         steps = int(timings.get("draft_steps", 0) or 0)
@@ -343,7 +346,8 @@ class RooflineGovernor(Governor):
                 if "verify_io_wait_s" in timings:  # the waits pooled apart; the fit sees the rest
                     self.cost.waits_apart()
                     wait = min(sample, max(0.0, timings["verify_io_wait_s"]))
-                    self.wait.add(width, wait, now, place)
+                    if not (cut and self.always_streams()):  # see the module's contract
+                        self.wait.add(width, wait, now, place)
                 self.cost.add(width, sample - wait, now, TRANSITION_WEIGHT if transition else 1.0)
             else:
                 self.plain.add(sample, now)
