@@ -11,8 +11,9 @@ excluded), so ``0 <= accepted <= drafted``. ``timings`` are the round's measured
 ``draft_s``, ``flush_s``, ``verify_s`` (its transfer wait included), ``verify_io_wait_s``,
 ``host_s``, ``round_s`` (seconds) and ``draft_steps``, ``experts_read`` (counts), and
 ``path_trial`` (a compiled engine tried a path it had measured slower, or not yet measured, for
-this round's draft or verification: the times are the trial's); a governor ignores names it
-does not use. ``summary() -> dict`` is the report's ``governor`` entry (default:
+this round's draft or verification: the times are the trial's) and ``cut_short`` (the engine
+drafted fewer than ``next_k`` said because the generation ends after this round); a governor
+ignores names it does not use. ``summary() -> dict`` is the report's ``governor`` entry (default:
 its name) and covers the rounds since the last ``new_report()``, which the engine calls at the
 start of every ``generate`` (what the governor learned is kept across reports). ``link_changed()``
 (optional) is called when the engine starts moving experts over another link (``use_link``):

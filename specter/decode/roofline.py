@@ -17,7 +17,7 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   rate shrunk towards the place's pooled rate, as one round's wait scatters far more than the rest
   of its verification, then made non-increasing in T, as a wide round's tokens share the experts
   they wait for), or where every round streams (``always_streams``) the widths' own rates at T over
-  all places (``by_width``) but a round cut short by the generation's end (its narrow width and
+  all places (``by_width``) but a round ``cut_short`` by the generation's end (its narrow width and
   low wait pooled the wider widths' rates down: 9-10% too cheap at 25% on 2 GB/s); the rest follows
   ``VerifyCost``
   (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
@@ -296,7 +296,7 @@ class RooflineGovernor(Governor):
         warm_plain = drafted == 0 and after_draft and self.plain.samples > 0  # measured since the last restart
         transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
         first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
-        cut = bool(self.history) and self.history[-1]["k"] != drafted  # the generation's end cut the round short
+        cut = bool(timings.get("cut_short"))  # the engine shortened k: the generation ends after this round
         sample = (self.rounds, drafted, timings, transition, not (warm_plain or first), place, cut)
         verdict = self._judge(drafted, timings, transition)
         if verdict == HOLD:

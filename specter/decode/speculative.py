@@ -266,7 +266,8 @@ class SpecterEngine(PrefetchingEngine):
         """One speculative round: draft k (the governor's choice, at most ``remaining - 1``),
         flush the prefetches, verify the k+1 tokens in one target pass, keep the accepted ones."""
         started = time.perf_counter()
-        k = min(check_next_k(call_plugin("governor", self.governor, "next_k"), self.governor), remaining - 1)
+        chosen = check_next_k(call_plugin("governor", self.governor, "next_k"), self.governor)
+        k = min(chosen, remaining - 1)
         base_length = kv.get_seq_length()
         self._plain_round = k == 0
         self.begin_round()
@@ -318,5 +319,5 @@ class SpecterEngine(PrefetchingEngine):
         # a compiled path tried against the odds this round: its times are the trial's, not the path's
         path_trial = self.compiled is not None and self.compiled.chooser.trials != trials_before
         call_plugin("governor", self.governor, "observe", drafted=k, accepted=result.accepted, round_s=total,
-                    path_trial=path_trial, **timings)
+                    path_trial=path_trial, cut_short=chosen > remaining - 1, **timings)
         return result.tokens

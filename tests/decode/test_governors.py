@@ -97,6 +97,16 @@ def test_third_party_governor_gets_the_round_timings_and_k_zero_decodes_plainly(
     assert plain and all(t["draft_steps"] == 0 for t in plain)
     assert result.report["k"]["histogram"].get("0")
     assert result.report["governor"] == {"name": "recording"}
+    requested = [governor.script[i % len(governor.script)] for i in range(len(governor.observed))]
+    assert [t["cut_short"] for _, _, t in governor.observed] == [d < k for (d, _, _), k in zip(governor.observed, requested)]
+
+
+def test_a_round_the_generations_end_shortens_is_observed_as_cut_short(tiny_mixtral):
+    governor = RecordingGovernor(script=(8,))
+    register_plugin(GovernorPlugins(governor))
+    run_specter(tiny_mixtral, tokens=4)
+    drafted, _, timings = governor.observed[0]
+    assert drafted < 8 and timings["cut_short"] is True
 
 
 @pytest.mark.parametrize("bad", [-1, MAX_K + 1, 2.5, None])

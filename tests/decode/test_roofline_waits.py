@@ -157,7 +157,6 @@ def test_where_wide_rounds_wait_less_a_token_the_waits_follow_the_width_where_ro
     assert by_width >= 1.04 * pooled, (by_width, pooled)
 
 
-
 def test_where_every_round_streams_a_round_cut_short_at_a_prompts_end_leaves_the_waits_alone():
     # prompts of 24 tokens: the last round of each is cut short by the generation's end, and such a
     # round waited 0-13 ms where the full rounds waited 40-50 (bench-governor cells, stop 43). Where
@@ -180,7 +179,7 @@ def test_where_every_round_streams_a_round_cut_short_at_a_prompts_end_leaves_the
                     saved = (1 - cut_wait) * timings["verify_io_wait_s"]
                     timings.update(verify_io_wait_s=timings["verify_io_wait_s"] - saved,
                                    verify_s=timings["verify_s"] - saved, round_s=timings["round_s"] - saved)
-                governor.observe(drafted=drafted, accepted=accepted, **timings)
+                governor.observe(drafted=drafted, accepted=accepted, cut_short=drafted < k, **timings)
                 produced += accepted + 1
         assert any(h["cut"] for h in governor.history)
         return [governor.verify_s(t) for t in range(2, 18)]
