@@ -17,9 +17,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   rate shrunk towards the place's pooled rate, as one round's wait scatters far more than the rest
   of its verification, then made non-increasing in T, as a wide round's tokens share the experts
   they wait for), or where every round streams (``always_streams``) the widths' own rates at T over
-  all places (``by_width``) but a round ``cut_short`` by the generation's end (its narrow width and
-  low wait pooled the wider widths' rates down: 9-10% too cheap at 25% on 2 GB/s); the rest follows
-  ``VerifyCost``
+  all places (``by_width``) but a round ``cut_short`` by the generation's end (its low wait pooled
+  the wider widths' rates down: 9-10% too cheap at 25% on 2 GB/s); the rest follows ``VerifyCost``
   (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
   rounds, of the experts read, the tokens and (for an engine that reports no waits) the experts
   streamed past the cache's slots (a round's time depends on the width before it, so one
