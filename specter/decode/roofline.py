@@ -295,8 +295,7 @@ class RooflineGovernor(Governor):
         warm_plain = drafted == 0 and after_draft and self.plain.samples > 0  # measured since the last restart
         transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
         first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
-        cut = bool(timings.get("cut_short"))  # the engine shortened k: the generation ends after this round
-        sample = (self.rounds, drafted, timings, transition, not (warm_plain or first), place, cut)
+        sample = (self.rounds, drafted, timings, transition, not (warm_plain or first), place)
         verdict = self._judge(drafted, timings, transition)
         if verdict == HOLD:
             self.watch.hold(sample)  # learnt from only if the next round is as far off
@@ -330,7 +329,7 @@ class RooflineGovernor(Governor):
         return self.watch.judge(timings["round_s"], predicted, transition, known)
 
     def _learn(self, now: int, drafted: int, timings: dict, transition: bool, measured_verify: bool,
-               place: int, cut: bool) -> None:
+               place: int) -> None:
         """Moves the estimates by one round's timings (``now``: the round it was)."""
         trial = bool(timings.get("path_trial"))  # a compiled path's trial: not what this k costs
         steps = int(timings.get("draft_steps", 0) or 0)
@@ -345,7 +344,8 @@ class RooflineGovernor(Governor):
                 if "verify_io_wait_s" in timings:  # the waits pooled apart; the fit sees the rest
                     self.cost.waits_apart()
                     wait = min(sample, max(0.0, timings["verify_io_wait_s"]))
-                    if not (cut and self.always_streams()):  # see the module's contract
+                    # a round the generation's end cut short: see the module's contract
+                    if not (timings.get("cut_short") and self.always_streams()):
                         self.wait.add(width, wait, now, place)
                 self.cost.add(width, sample - wait, now, TRANSITION_WEIGHT if transition else 1.0)
             else:
