@@ -5,10 +5,12 @@
 // Weights: unsigned nibbles u = q + 8 in [0, 15]; each 64-value chunk of a row is 32 bytes,
 // byte j holding u[j] in its low nibble and u[j + 32] in its high nibble. Activations are
 // quantized per 64-value chunk to int8 (symmetric, scale max|x| / 127) inside the call, then
-// each chunk is an integer dot product (AVX2: maddubs / madd), scaled once per chunk. Rows of
-// K <= 1024 go four weight rows at a time (one load of each x chunk, four accumulators, one
-// reduction): the short gate/up rows are bound by instructions, not memory. A row's arithmetic
-// is the same in a group of four or alone, so its result does not depend on its neighbours.
+// each chunk is an integer dot product (AVX2: maddubs / madd) with the nibbles' "- 8" subtracted
+// exactly in its int32 lanes, scaled once per chunk. Rows of K <= 1024 go four weight rows at a
+// time (one load of each x chunk, one accumulator a row, one reduction): the short gate/up rows
+// are bound by instructions, not memory; longer rows go one at a time with four accumulators (a
+// chunk's fmadd does not wait on the previous one's). A row's arithmetic depends on K only, the
+// same in a group of four or alone, so its result does not depend on its neighbours.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -32,106 +34,131 @@ constexpr int64_t kChunk = 64;
 constexpr int64_t kPrefetchBytes = 1024;
 constexpr int64_t kGroupedMaxK = 1024;  // longer rows stream one at a time (cold, four streams of long rows read slower)
 
-// x [K] -> xq [K] int8, one scale and one sum of the int8 values per chunk.
-void quantize_row(const float* x, int64_t k, int8_t* xq, float* xs, int32_t* xsum) {
+// x [K] -> xq [K] int8 and one scale per chunk: q = nearbyint(x * 127 / max|x|) (the default
+// rounding mode of cvtps), eight floats at a time.
+void quantize_row(const float* x, int64_t k, int8_t* xq, float* xs) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t c = 0; c < k / kChunk; ++c) {
     const float* xc = x + c * kChunk;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(xc[i]));
-    const float scale = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kChunk; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xc[i] * inv));
-      xq[c * kChunk + i] = static_cast<int8_t>(v);
-      sum += v;
+    __m256 v[8];
+    __m256 amax8 = _mm256_setzero_ps();
+    for (int i = 0; i < 8; ++i) {
+      v[i] = _mm256_loadu_ps(xc + 8 * i);
+      amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], abs_mask));
     }
-    xs[c] = scale;
-    xsum[c] = sum;
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    xs[c] = amax / 127.f;
+    for (int half = 0; half < 2; ++half) {
+      const __m256* h = v + 4 * half;
+      const __m256i pairs0 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(h[0], inv)),
+                                                _mm256_cvtps_epi32(_mm256_mul_ps(h[1], inv)));
+      const __m256i pairs1 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(h[2], inv)),
+                                                _mm256_cvtps_epi32(_mm256_mul_ps(h[3], inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + c * kChunk + 32 * half),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pairs0, pairs1), byte_order));
+    }
   }
 }
 
-// Per chunk c of an activation row: xq (int8), xs[c] (its scale) and xo[c] = 8 * sum(xq) (the
-// "- 8" of every nibble, applied once per chunk with the chunk's scale).
-struct XRow {
-  const int8_t* q;
-  const float* scale;
-  const float* offset;
-};
-
-// The integer dot product of one 32-byte weight chunk with x's chunk, 8 int32 partial sums.
-inline __m256i chunk_sums(const uint8_t* w, __m256i xl, __m256i xh) {
+// The integer dot product of one 32-byte weight chunk with x's chunk, 8 int32 partial sums (lane
+// i: bytes 4i .. 4i + 3 of both nibble halves).
+inline __m256i chunk_sums(__m256i bytes, __m256i xl, __m256i xh) {
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   const __m256i lo = _mm256_and_si256(bytes, low_mask);
   const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// Row j's share of chunk c: its 8 partial sums scaled into acc, its offset term into off.
-#define SPECTER_INT4_ROW(j, acc, off)                                                              \
-  if (R > j) {                                                                                     \
-    if ((c & 1) == 0) /* one prefetch a 64-byte line */                                            \
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * row_bytes + c * 32 + kPrefetchBytes), _MM_HINT_T0); \
-    const float sc = x.scale[c] * ws[j * ws_stride + g];                                           \
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_sums(w + j * row_bytes + c * 32, xl, xh)),      \
-                          _mm256_set1_ps(sc), acc);                                                \
-    off += x.offset[c] * sc;                                                                       \
-  }
+// Per chunk c of an activation row: xq (int8), scale[c], and lane_offset[8c .. 8c + 8): chunk_sums
+// of a weight chunk of nibbles 8 against it, the "- 8" of every nibble subtracted exactly, lane
+// by lane, in the integer sums.
+struct XRow {
+  const int8_t* q;
+  const float* scale;
+  const int32_t* lane_offset;
+};
 
 // R weight rows (w + j * row_bytes, scales ws + j * ws_stride) against one activation row, their
-// dot products into out[0 .. R). The x chunk is loaded once for the R rows; each row keeps its own
-// accumulator, reduced by one hadd tree. Every row's arithmetic is the same whatever R (R = 1 for
-// the rows left over), so a row's result does not depend on how rows were grouped.
-template <int R>
+// dot products into out[0 .. R). Each row keeps S float accumulators, chunk c going to c % S
+// (S > 1 for long rows: independent chains instead of one fmadd latency a chunk), summed pairwise
+// at the end; the x chunk and its offsets are loaded once for the R rows; one hadd tree reduces
+// the rows. A row's arithmetic depends on K only (S is fixed by K), never on R, so its result
+// does not depend on how rows were grouped.
+template <int R, int S>
 inline void rows_dot(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t chunks,
                      int64_t chunks_per_group, const XRow& x, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+  __m256 acc[R][S];
+  for (int j = 0; j < R; ++j)
+    for (int s = 0; s < S; ++s) acc[j][s] = _mm256_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + c * kChunk));
     const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + c * kChunk + 32));
+    const __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.lane_offset + 8 * c));
     const int64_t g = chunks_per_group == 1 ? c : c / chunks_per_group;
-    SPECTER_INT4_ROW(0, a0, o0)
-    SPECTER_INT4_ROW(1, a1, o1)
-    SPECTER_INT4_ROW(2, a2, o2)
-    SPECTER_INT4_ROW(3, a3, o3)
+    const int s = S == 1 ? 0 : static_cast<int>(c % S);
+    for (int j = 0; j < R; ++j) {
+      const uint8_t* chunk = w + j * row_bytes + c * 32;
+      if ((c & 1) == 0)  // one prefetch a 64-byte line
+        _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetchBytes), _MM_HINT_T0);
+      const __m256i sums = _mm256_sub_epi32(
+          chunk_sums(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)), xl, xh), offset);
+      acc[j][s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.scale[c] * ws[j * ws_stride + g]),
+                                  acc[j][s]);
+    }
+  }
+  __m256 row[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int j = 0; j < R; ++j) {
+    if constexpr (S == 1) row[j] = acc[j][0];
+    else if constexpr (S == 4) row[j] = _mm256_add_ps(_mm256_add_ps(acc[j][0], acc[j][1]), _mm256_add_ps(acc[j][2], acc[j][3]));
+    else static_assert(S == 1 || S == 4, "rows_dot: one or four accumulators a row");
   }
   // lanes 0-3 of each 128-bit half: per row, ((a0 + a1) + (a2 + a3)) and ((a4 + a5) + (a6 + a7))
-  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(row[0], row[1]), _mm256_hadd_ps(row[2], row[3]));
   float sums[4];
   _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
-  const float offsets[4] = {o0, o1, o2, o3};
-  for (int j = 0; j < R; ++j) out[j] = sums[j] - offsets[j];
+  for (int j = 0; j < R; ++j) out[j] = sums[j];
 }
-#undef SPECTER_INT4_ROW
 
-// x [rows, K] quantized once per call (int8 per chunk, a scale and 8 * the sum per chunk);
+// x [rows, K] quantized once per call (int8 per chunk, a scale and the lane offsets per chunk);
 // dots(r, w, ws, begin, end, out) = row r against weight rows [begin, end) of (w [N, K/2],
-// ws [N, K/group]), four at a time.
+// ws [N, K/group]): short rows four at a time, long ones one at a time with four accumulators.
 struct QuantizedRows {
   int64_t k, chunks, chunks_per_group, group;
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<float> offset;
+  std::vector<int32_t> lane_offset;
   QuantizedRows(const float* x, int64_t rows, int64_t k_, int64_t group_)
       : k(k_), chunks(k_ / kChunk), chunks_per_group(group_ / kChunk), group(group_),
-        q(rows * k_), scale(rows * (k_ / kChunk)), offset(rows * (k_ / kChunk)) {
-    std::vector<int32_t> sum(chunks);
+        q(rows * k_), scale(rows * (k_ / kChunk)), lane_offset(rows * (k_ / kChunk) * 8) {
+    const __m256i eights = _mm256_set1_epi8(static_cast<char>(0x88));  // every nibble 8
     for (int64_t r = 0; r < rows; ++r) {
-      quantize_row(x + r * k, k, q.data() + r * k, scale.data() + r * chunks, sum.data());
-      for (int64_t c = 0; c < chunks; ++c) offset[r * chunks + c] = 8.f * static_cast<float>(sum[c]);
+      quantize_row(x + r * k, k, q.data() + r * k, scale.data() + r * chunks);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int8_t* xc = q.data() + r * k + c * kChunk;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lane_offset.data() + (r * chunks + c) * 8),
+                            chunk_sums(eights, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)),
+                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32))));
+      }
     }
   }
   void dots(int64_t r, const uint8_t* w, const float* ws, int64_t begin, int64_t end, float* out) const {
-    const XRow x{q.data() + r * k, scale.data() + r * chunks, offset.data() + r * chunks};
+    const XRow x{q.data() + r * k, scale.data() + r * chunks, lane_offset.data() + r * chunks * 8};
     const int64_t row_bytes = k / 2, ws_stride = k / group;
     int64_t i = begin;
-    for (; k <= kGroupedMaxK && i + 4 <= end; i += 4)
-      rows_dot<4>(w + i * row_bytes, row_bytes, ws + i * ws_stride, ws_stride, chunks, chunks_per_group, x, out + i);
+    if (k > kGroupedMaxK) {
+      for (; i < end; ++i)
+        rows_dot<1, 4>(w + i * row_bytes, row_bytes, ws + i * ws_stride, ws_stride, chunks, chunks_per_group, x, out + i);
+      return;
+    }
+    for (; i + 4 <= end; i += 4)
+      rows_dot<4, 1>(w + i * row_bytes, row_bytes, ws + i * ws_stride, ws_stride, chunks, chunks_per_group, x, out + i);
     for (; i < end; ++i)
-      rows_dot<1>(w + i * row_bytes, row_bytes, ws + i * ws_stride, ws_stride, chunks, chunks_per_group, x, out + i);
+      rows_dot<1, 1>(w + i * row_bytes, row_bytes, ws + i * ws_stride, ws_stride, chunks, chunks_per_group, x, out + i);
   }
 };
 
