@@ -21,10 +21,11 @@ Contract:
     tokens; else per (token, slot) pair), or the INT4 draft experts. On a CPU the graph calls the
     host at each MoE layer (``specter.compile.host_layer``): observers see the layer, the cache
     acquires its experts (waiting only for their transfers, loading misses) and releases the
-    previous layer's, and the graph reads the slot table row the host returns. Elsewhere (CUDA
-    graphs) every transfer in flight is waited for first (``cache.drain``), the graph reads READY
-    slots only and returns whether a needed expert was absent; then the result is discarded and
-    the step reruns layered (rewriting the same KV positions).
+    previous layer's, and the graph reads the slot table row the host returns (for experts of at
+    least ``host_layer.COMPUTES_MIN_BYTES`` the host computes them, in waves as their copies
+    arrive, and the graph adds its output). Elsewhere (CUDA graphs) every transfer in flight is
+    waited for first (``cache.drain``), the graph reads READY slots only and returns whether a
+    needed expert was absent; then the result is discarded and the step reruns layered.
   * layered (the host between compiled pieces, once per MoE layer): a compiled attention+router
     piece per layer, then the host's experts (``ExpertRuntime.forward``: observers,
     ``cache.acquire`` loading misses, the slot math, ``release``; the layer's own experts module
@@ -123,13 +124,12 @@ class CompiledDecoder:
         # a fused cache step calls the host at each layer (a CUDA graph cannot): specter.compile.host_layer
         self.host_layers = experts == "cache" and self.device.type == "cpu" and not self.cuda_graphs
         self.layered = layered and not self.host_layers  # host calls: observers act between layers in the graph
-        self.layer_host = LayerHost(runtime) if self.host_layers else None
+        self.layer_host = LayerHost(runtime, self.expert_modules) if self.host_layers else None
         if experts == "resident":
             self.target_experts = OwnExperts(self.expert_modules)
             self.host_experts: HostExperts = self._host_resident_experts
         else:
-            handle = self.layer_host.handle if self.layer_host is not None else None
-            self.target_experts = SlotExperts(self.cache, self.expert_modules[0], host_handle=handle)
+            self.target_experts = SlotExperts(self.cache, self.expert_modules[0], host=self.layer_host)
             self.host_experts = self._host_cache_experts
         self._draft_experts: CompiledDraftExperts | None = None
         self.lean_step = None  # the eager lean draft step (lean_draft.use_lean_draft), the draft's layered path

@@ -1,31 +1,43 @@
 """A fused graph's call back to the host at each MoE layer: the host makes the layer's experts
-resident (waiting only for their own transfers) and tells the graph where they are.
+resident and either tells the graph where they are or computes them itself, in waves as their
+copies arrive.
 
 Contract:
 - ``register(callback) -> handle`` keeps a weak reference to a bound method
-  ``callback(row, x [T, H], top_k_index [T, k], top_k_weights [T, k]) -> table_row [E] int64``,
-  a fresh tensor (the slot of every expert of MoE row ``row``, -1 where absent), as
-  ``ExpertCache.slot_table[row]`` reads once the host has done what the layer needs.
-- ``LayerHost(runtime)``: the compiled decoder's host (registered; ``handle``). Inside
-  ``with host.live():`` (one fused cache step) each call releases the previous row's experts,
-  tells the runtime's observers, acquires the row's experts (``ExpertCache.acquire``: waits for
-  their transfers, loads misses) and returns the slot table row; the last row is released when
-  the block ends. Outside it (warm-up on scratch inputs) a call only reads the table.
-  ``fits(num_tokens)``: whether every layer of a step over that many tokens can be acquired at
-  once (tokens x top-k <= cache slots); the decoder runs other steps layered. Should a row still
-  need more experts than the cache holds, it is not acquired: the graph sees them missing and the
-  step reruns layered (its observers then see the step's earlier layers a second time).
-- ``layer_slots(x, top_k_index, top_k_weights, row, handle, n_experts) -> [n_experts] int64``
-  (``torch.ops.specter_host.layer_slots``): an opaque custom op, so inductor runs it as an
-  extern call in graph order; ``handle`` is a 0-d int64 tensor, so the graphs of engines with
-  different hosts are shared instead of recompiled per handle value. Its inputs depend on the
-  previous layer's output and its result feeds this layer's experts, so the host runs after
-  layer ``row - 1``'s experts were computed and before layer ``row``'s are read. The callback receives clones of its inputs (it may keep
-  them: inductor reuses a graph's buffers).
-Why: a fused cache step used to wait for every transfer in flight before it started (the graph
-could only read READY slots); with this call each layer waits only for its own experts, so
-transfers still overlap the earlier layers, as on the layered path. CPU only: a CUDA graph
-cannot call the host.
+  ``callback(row, x [T, H], top_k_index [T, k], top_k_weights [T, k]) -> Tensor``.
+- ``LayerHost(runtime, modules, computes=None)``: the compiled decoder's host (registered under
+  ``handle``; ``computes`` says which op the graph calls; None: whether one expert in the cache's
+  slots holds at least ``COMPUTES_MIN_BYTES``). Inside ``with host.live():`` (one fused
+  cache step) each call tells the runtime's observers about the layer and
+  * ``computes=False`` (``layer_slots``): releases the previous row's experts, acquires the row's
+    (``ExpertCache.acquire``: waits for their transfers, loads misses) and returns the slot table
+    row [E] int64 (the slot of every expert, -1 where absent) for the graph to read; the last
+    row is released when the block ends. A row needing more experts than the cache holds is not
+    acquired: the graph sees them missing and the step reruns layered. ``fits(num_tokens)``: whether
+    every layer of a step over that many tokens can be acquired at once (tokens x top-k <= cache
+    slots); the decoder runs other steps layered.
+  * ``computes=True`` (``layer_experts``): returns the routed experts' weighted sum [T, H] as the
+    eager engine computes it (``ExpertRuntime.forward``: the cache acquires the experts, the runtime computes them in waves as their copies arrive, more
+    experts than the cache holds in chunks, and releases them). ``fits`` is always True.
+  Outside ``live`` (warm-up on scratch inputs) a call touches nothing: it reads the slot table,
+  or returns zeros.
+- ``layer_slots(x, top_k_index, top_k_weights, row, handle, n_experts) -> [n_experts] int64`` and
+  ``layer_experts(x, top_k_index, top_k_weights, row, handle) -> [T, H]``
+  (``torch.ops.specter_host.*``): opaque custom ops, so inductor runs them as extern calls in
+  graph order; ``handle`` is a 0-d int64 tensor, so the graphs of engines with different hosts
+  are shared instead of recompiled per handle value. Their inputs depend on the previous layer's
+  output and their result feeds this layer's experts (or its residual add), so the host runs
+  after layer ``row - 1`` and before layer ``row``'s experts are used. The callback receives
+  clones of its inputs (observers may keep them: inductor reuses a graph's buffers); a wrong
+  answer's shape or dtype is a clear error.
+Why: a fused cache step used to wait for every transfer in flight before it started; with
+``layer_slots`` each layer waits only for its own experts, so transfers overlap the earlier
+layers. With ``layer_experts`` a layer's first experts are computed while its later ones still
+copy, as on the eager path, at a host cost per wave (the runtime's grouping and slot lookups:
+0.1-0.25 ms a wave on this VM) that only large experts repay: the bundled model's 0.75 MiB
+experts ran 8% slower that way (compiled ``ondemand``, 50% on an emulated 1 GB/s link), the
+widened model's 12 MiB ones 4-8% faster (25% on 2 GB/s, 50% ``local``); a 4 MiB expert computes
+in about 0.3 ms at 13 GB/s. CPU only: a CUDA graph cannot call the host.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from torch import Tensor
 LayerCallback = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 _callbacks: dict[int, weakref.WeakMethod] = {}
 _handles = itertools.count(1)
+COMPUTES_MIN_BYTES = 4 << 20  # an expert at least this large is computed by the host (see Why)
 
 
 def register(callback: LayerCallback) -> int:
@@ -53,14 +66,18 @@ def unregister(handle: int) -> None:
     _callbacks.pop(handle, None)
 
 
-@torch.library.custom_op("specter_host::layer_slots", mutates_args=())
-def layer_slots(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, row: int, handle: Tensor,
-                n_experts: int) -> Tensor:
+def _call_host(op: str, handle: Tensor, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     reference = _callbacks.get(int(handle))
     callback = reference() if reference is not None else None
     if callback is None:
-        raise RuntimeError(f"specter_host::layer_slots: no host registered under handle {int(handle)}")
-    table_row = callback(row, x.clone(), top_k_index.clone(), top_k_weights.clone())
+        raise RuntimeError(f"specter_host::{op}: no host registered under handle {int(handle)}")
+    return callback(row, x.clone(), top_k_index.clone(), top_k_weights.clone())
+
+
+@torch.library.custom_op("specter_host::layer_slots", mutates_args=())
+def layer_slots(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, row: int, handle: Tensor,
+                n_experts: int) -> Tensor:
+    table_row = _call_host("layer_slots", handle, row, x, top_k_index, top_k_weights)
     if table_row.shape != (n_experts,) or table_row.dtype != torch.long:
         raise RuntimeError(f"specter_host::layer_slots: the host returned {tuple(table_row.shape)} "
                            f"{table_row.dtype}, expected ({n_experts},) int64")
@@ -72,17 +89,34 @@ def _(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, row: int, handle: T
     return top_k_index.new_empty(n_experts, dtype=torch.long)
 
 
+@torch.library.custom_op("specter_host::layer_experts", mutates_args=())
+def layer_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, row: int, handle: Tensor) -> Tensor:
+    y = _call_host("layer_experts", handle, row, x, top_k_index, top_k_weights)
+    if y.shape != x.shape or y.dtype != x.dtype:
+        raise RuntimeError(f"specter_host::layer_experts: the host returned {tuple(y.shape)} {y.dtype}, "
+                           f"expected {tuple(x.shape)} {x.dtype}")
+    return y
+
+
+@layer_experts.register_fake
+def _(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, row: int, handle: Tensor) -> Tensor:
+    return x.new_empty(x.shape)
+
+
 class LayerHost:
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime, modules: list, computes: bool | None = None) -> None:
         self.runtime = runtime
         self.cache = runtime.cache
+        self.modules = modules  # each MoE row's experts module (``runtime.forward``'s ``module``)
+        expert_bytes = sum(slots[0].numel() * slots.element_size() for slots in self.cache.slots.values())
+        self.computes = expert_bytes >= COMPUTES_MIN_BYTES if computes is None else computes
         self.top_k = max(layer.top_k for layer in runtime.layers.values())
         self.handle = torch.tensor(register(self.__call__))  # a tensor: see layer_slots
         self._live = False
         self._held: tuple[int, list[int]] | None = None  # (row, experts) acquired by the last call
 
     def fits(self, num_tokens: int) -> bool:
-        return num_tokens * self.top_k <= self.cache.capacity
+        return self.computes or num_tokens * self.top_k <= self.cache.capacity
 
     @contextlib.contextmanager
     def live(self) -> Iterator[None]:
@@ -94,14 +128,17 @@ class LayerHost:
             self._release_held()
 
     def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        if self._live:
-            self._release_held()
-            for observe in self.runtime.observers:
-                observe(row, x, top_k_index, top_k_weights, self.runtime.mode)
-            experts = top_k_index.unique().tolist()
-            if len(experts) <= self.cache.capacity:
-                self.cache.acquire(row, experts)
-                self._held = (row, experts)
+        if not self._live:
+            return torch.zeros_like(x) if self.computes else self.cache.slot_table[row].clone()
+        if self.computes:  # the observers are told inside, as on the eager path
+            return self.runtime.forward(row, self.modules[row], x, top_k_index, top_k_weights)
+        for observe in self.runtime.observers:
+            observe(row, x, top_k_index, top_k_weights, self.runtime.mode)
+        self._release_held()
+        experts = top_k_index.unique().tolist()
+        if len(experts) <= self.cache.capacity:
+            self.cache.acquire(row, experts)
+            self._held = (row, experts)
         return self.cache.slot_table[row].clone()
 
     def _release_held(self) -> None:

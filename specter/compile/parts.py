@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from specter.compile.host_layer import layer_slots
+from specter.compile.host_layer import layer_experts, layer_slots
 from specter.kernels import native_rows
 from specter.kernels.grouped_experts import native_grouped_experts
 from specter.kernels.slot_experts import gather_experts, slots_for
@@ -57,19 +57,23 @@ class OwnExperts:
 
 
 class SlotExperts:
-    """Experts from the cache's slot buffers, addressed through the device ``slot_table``, or,
-    with a ``host_handle`` (``specter.compile.host_layer``), through the table row the host
-    returns once it has made the layer's experts resident."""
+    """Experts from the cache's slot buffers, addressed through the device ``slot_table``; with a
+    ``host`` (``specter.compile.host_layer.LayerHost``), through the table row the host returns
+    once it has made the layer's experts resident, or, where the host ``computes``, the host's
+    output itself."""
 
-    def __init__(self, cache, module: nn.Module, host_handle: Tensor | None = None) -> None:
+    def __init__(self, cache, module: nn.Module, host=None) -> None:
         self.table = cache.slot_table  # [n_moe_layers, E]
         self.gate_up = cache.slots["gate_up_proj"]  # [n_slots, 2I, H]
         self.down = cache.slots["down_proj"]  # [n_slots, H, I]
         self.apply_gate = module._apply_gate
         self.kernel = _pairs_kernel(self.gate_up.new_zeros(1, self.gate_up.shape[-1]), self.gate_up, self.down)
-        self.host_handle = host_handle
+        self.host_handle = host.handle if host is not None else None
+        self.host_computes = host is not None and host.computes
 
     def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+        if self.host_computes:
+            return layer_experts(x, top_k_index, top_k_weights, row, self.host_handle), None
         if self.host_handle is None:
             table_row = self.table[row]
         else:

@@ -1,6 +1,7 @@
-"""The fused cache step's per-layer host call: the op hands the host clones and checks its answer;
+"""The fused cache step's per-layer host call: the ops hand the host clones and check its answer;
 in an engine, each layer's experts are acquired live (misses load inside the fused step, no
-rerun, no wait for every transfer in flight), each layer seen once by the observers."""
+rerun, no wait for every transfer in flight), each layer seen once by the observers; a host that
+computes large experts computes a layer's early ones while its later ones still copy."""
 
 from __future__ import annotations
 
@@ -26,29 +27,36 @@ class Host:
         return self.answer
 
 
-def test_the_op_calls_the_host_with_clones_and_returns_its_table_row():
-    host = Host(torch.arange(6))
+def call(op: str, host: Host, x, index, weights, row: int):
     handle = torch.tensor(host_layer.register(host.callback))
-    x, index, weights = torch.randn(2, 4), torch.tensor([[0, 3], [5, 3]]), torch.rand(2, 2)
     try:
-        row = host_layer.layer_slots(x, index, weights, 1, handle, 6)
+        if op == "layer_slots":
+            return host_layer.layer_slots(x, index, weights, row, handle, 6)
+        return host_layer.layer_experts(x, index, weights, row, handle)
     finally:
         host_layer.unregister(int(handle))
-    assert torch.equal(row, torch.arange(6))
+
+
+@pytest.mark.parametrize("op", ["layer_slots", "layer_experts"])
+def test_the_op_calls_the_host_with_clones_and_returns_its_answer(op):
+    x, index, weights = torch.randn(2, 4), torch.tensor([[0, 3], [5, 3]]), torch.rand(2, 2)
+    answer = torch.arange(6) if op == "layer_slots" else torch.randn(2, 4)
+    host = Host(answer)
+    assert torch.equal(call(op, host, x, index, weights, 1), answer)
     (seen_row, seen_x, seen_index, seen_weights), = host.seen
     assert seen_row == 1 and torch.equal(seen_x, x) and torch.equal(seen_index, index)
     assert seen_x.data_ptr() != x.data_ptr()  # a clone the host may keep
 
 
-def test_a_wrong_answer_or_a_missing_host_is_a_clear_error():
-    host = Host(torch.arange(5))
-    handle = torch.tensor(host_layer.register(host.callback))
+@pytest.mark.parametrize("op, wrong, expected", [("layer_slots", torch.arange(5), r"expected \(6,\) int64"),
+                                                 ("layer_experts", torch.zeros(1, 5), r"expected \(1, 4\) torch.float32")])
+def test_a_wrong_answer_or_a_missing_host_is_a_clear_error(op, wrong, expected):
     x, index, weights = torch.randn(1, 4), torch.tensor([[0, 1]]), torch.rand(1, 2)
-    with pytest.raises(RuntimeError, match=r"expected \(6,\) int64"):
-        host_layer.layer_slots(x, index, weights, 0, handle, 6)
-    host_layer.unregister(int(handle))
+    with pytest.raises(RuntimeError, match=expected):
+        call(op, Host(wrong), x, index, weights, 0)
+    handle = torch.tensor(host_layer.register(Host(wrong).callback))  # its callback's owner is gone
     with pytest.raises(RuntimeError, match="no host registered"):
-        host_layer.layer_slots(x, index, weights, 0, handle, 6)
+        getattr(host_layer, op)(x, index, weights, 0, handle, *([6] if op == "layer_slots" else []))
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +65,16 @@ def checkpoint(tmp_path_factory) -> str:
     return str(save_random_checkpoint("mixtral", path, seed=0, hidden=64, intermediate=64, layers=2))
 
 
-def test_fused_cache_steps_load_misses_live_and_never_drain(checkpoint, monkeypatch):
+@pytest.mark.parametrize("computes", [False, True])
+def test_fused_cache_steps_load_misses_live_and_never_drain(checkpoint, monkeypatch, computes):
+    monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
     synchronous = {"kind": "local", "options": {"copy_thread": False}}
     recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 12, "threads": 1, "compile": True,
               "offload": {"link": synchronous, "expert_budget": 0.25}}
     expected = specter.load({**recipe, "engine": "resident", "compile": False}).generate(PROMPTS).token_ids
     engine = specter.load(recipe)
     decoder = engine.compiled
-    assert decoder.host_layers
+    assert decoder.host_layers and decoder.layer_host.computes == computes
     monkeypatch.setattr(engine.cache, "drain", lambda: pytest.fail("a fused step waited for every transfer"))
     seen: list = []
     engine.runtime.observers.append(lambda layer, hidden, index, weights, mode: seen.append((layer, mode)))
@@ -78,3 +88,40 @@ def test_fused_cache_steps_load_misses_live_and_never_drain(checkpoint, monkeypa
     assert decoder.stats.fused_misses == before.fused_misses  # misses load inside the step
     assert report["cache"]["decode"]["misses"] > 0
     assert [layer for layer, _ in seen] == [0, 1] * (steps + layered)  # each layer once per step, in order
+
+
+def test_a_host_that_computes_a_layer_computes_its_first_experts_while_its_others_still_copy(checkpoint, monkeypatch):
+    monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0)
+    slow = {"kind": "emulated", "gbps": 0.02, "latency_us": 200}  # a tiny expert's copy takes ~2 ms
+    recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 8, "threads": 1, "compile": True,
+              "offload": {"link": slow, "expert_budget": 0.5}}
+    expected = specter.load({**recipe, "engine": "resident", "compile": False}).generate(PROMPTS).token_ids
+    engine = specter.load(recipe)
+    decoder, runtime = engine.compiled, engine.runtime
+    assert decoder.layer_host.computes
+    monkeypatch.setattr(decoder, "_run_chosen", lambda key, fused, layered: fused())  # every decode step fused
+    fused_target, overlap_in_fused = decoder._run_fused_target, []
+
+    def run_fused_target(*args):
+        before = runtime.overlap_s
+        logits = fused_target(*args)
+        overlap_in_fused.append(runtime.overlap_s - before)
+        return logits
+    monkeypatch.setattr(decoder, "_run_fused_target", run_fused_target)
+    report = engine.generate(PROMPTS).report
+    engine.close()
+    assert [o["token_ids"] for o in report["outputs"]] == expected
+    assert len(overlap_in_fused) >= 10 and decoder.stats.fused_misses == 0
+    assert sum(overlap_in_fused) > 0  # some layer computed an early wave beside a copy still in flight
+
+
+def test_the_host_computes_the_experts_that_hold_at_least_the_threshold(checkpoint, monkeypatch):
+    recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 4, "threads": 1, "compile": True,
+              "offload": {"link": {"kind": "local"}, "expert_budget": 0.5}}
+    engine = specter.load(recipe)
+    expert_bytes = sum(slots[0].nbytes for slots in engine.cache.slots.values())
+    assert expert_bytes < host_layer.COMPUTES_MIN_BYTES and not engine.compiled.layer_host.computes
+    for threshold, computes in ((expert_bytes, True), (expert_bytes + 1, False)):
+        monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", threshold)
+        assert host_layer.LayerHost(engine.runtime, []).computes is computes
+    engine.close()
