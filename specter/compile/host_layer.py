@@ -17,8 +17,9 @@ Contract:
     every layer of a step over that many tokens can be acquired at once (tokens x top-k <= cache
     slots); the decoder runs other steps layered.
   * ``computes=True`` (``layer_experts``): returns the routed experts' weighted sum [T, H] as the
-    eager engine computes it (``ExpertRuntime.forward``: the cache acquires the experts, the runtime computes them in waves as their copies arrive, more
-    experts than the cache holds in chunks, and releases them). ``fits`` is always True.
+    eager engine computes it (``ExpertRuntime.forward``: the cache acquires the experts, the
+    runtime computes them in waves as their copies arrive, more experts than the cache holds in
+    chunks, and releases them). ``fits`` is always True.
   Outside ``live`` (warm-up on scratch inputs) a call touches nothing: it reads the slot table,
   or returns zeros.
 - ``layer_slots(x, top_k_index, top_k_weights, row, handle, n_experts) -> [n_experts] int64`` and

@@ -125,3 +125,36 @@ def test_the_host_computes_the_experts_that_hold_at_least_the_threshold(checkpoi
         monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", threshold)
         assert host_layer.LayerHost(engine.runtime, []).computes is computes
     engine.close()
+
+
+def test_a_computing_host_verifies_rounds_wider_than_the_cache_in_the_fused_step(checkpoint, monkeypatch):
+    monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0)
+    recipe = {"model": checkpoint, "engine": "specter", "max_new_tokens": 12, "threads": 1, "compile": True,
+              "offload": {"link": {"kind": "local"}, "expert_budget": 0.15},
+              "speculation": {"governor": {"name": "fixed", "k": 6}}}
+    expected = specter.load({**recipe, "engine": "resident", "compile": False}).generate(PROMPTS).token_ids
+    engine = specter.load(recipe)
+    decoder = engine.compiled
+    runtime, in_fused, needed = engine.runtime, [False], []
+    fused_target, from_slots = decoder._run_fused_target, runtime._forward_from_slots
+
+    def run_fused_target(*args):
+        in_fused[0] = True
+        try:
+            return fused_target(*args)
+        finally:
+            in_fused[0] = False
+
+    def forward_from_slots(layer, module, hidden, top_k_index, top_k_weights):
+        if in_fused[0]:
+            needed.append(top_k_index.unique().numel())
+        return from_slots(layer, module, hidden, top_k_index, top_k_weights)
+    monkeypatch.setattr(decoder, "_run_fused_target", run_fused_target)
+    monkeypatch.setattr(runtime, "_forward_from_slots", forward_from_slots)
+    monkeypatch.setattr(decoder, "_run_chosen", lambda key, fused, layered: fused() if key > 1 else layered())
+    report = engine.generate(PROMPTS).report
+    capacity = engine.cache.capacity
+    engine.close()
+    assert [o["token_ids"] for o in report["outputs"]] == expected
+    assert max(needed) > capacity  # a fused verification's layer needed more experts than the cache holds
+    assert decoder.stats.fused_misses == 0
