@@ -6,8 +6,8 @@ Contract:
 - ``register(callback) -> handle`` keeps a weak reference to a bound method
   ``callback(row, x [T, H], top_k_index [T, k], top_k_weights [T, k]) -> Tensor``.
 - ``LayerHost(runtime, modules, computes=None)``: the compiled decoder's host (registered under
-  ``handle``; ``computes`` says which op the graph calls; None: whether one expert in the cache's
-  slots holds at least ``COMPUTES_MIN_BYTES``). Inside ``with host.live():`` (one fused
+  ``handle``; ``computes`` says which op the graph calls; None: whether one expert of the cache's
+  store, ``store.expert_bytes``, holds at least ``COMPUTES_MIN_BYTES``). Inside ``with host.live():`` (one fused
   cache step) each call tells the runtime's observers about the layer and
   * ``computes=False`` (``layer_slots``): releases the previous row's experts, acquires the row's
     (``ExpertCache.acquire``: waits for their transfers, loads misses) and returns the slot table
@@ -109,8 +109,7 @@ class LayerHost:
         self.runtime = runtime
         self.cache = runtime.cache
         self.modules = modules  # each MoE row's experts module (``runtime.forward``'s ``module``)
-        expert_bytes = sum(slots[0].numel() * slots.element_size() for slots in self.cache.slots.values())
-        self.computes = expert_bytes >= COMPUTES_MIN_BYTES if computes is None else computes
+        self.computes = self.cache.store.expert_bytes >= COMPUTES_MIN_BYTES if computes is None else computes
         self.top_k = max(layer.top_k for layer in runtime.layers.values())
         self.handle = torch.tensor(register(self.__call__))  # a tensor: see layer_slots
         self._live = False
