@@ -319,5 +319,5 @@ class SpecterEngine(PrefetchingEngine):
         # a compiled path tried against the odds this round: its times are the trial's, not the path's
         path_trial = self.compiled is not None and self.compiled.chooser.trials != trials_before
         call_plugin("governor", self.governor, "observe", drafted=k, accepted=result.accepted, round_s=total,
-                    path_trial=path_trial, cut_short=chosen > remaining - 1, **timings)
+                    path_trial=path_trial, cut_short=k < chosen, **timings)
         return result.tokens
