@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from specter.kernels import native_rows
 
-FUSED_MAX_TOKENS = 17  # the widest fused step (k_max 16 drafts + 1); the native row kernel's widest input
+FUSED_MAX_TOKENS = 17  # widest fused step (16 drafts + 1; wider rounds run layered); the row kernel's widest input
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe")
 

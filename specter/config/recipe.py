@@ -26,7 +26,7 @@ from specter.config.schema import _DEVICE, _Section, _at_least, _between, _error
 
 DTYPES = ("float32", "bfloat16", "float16")
 GROUP_SIZES = (32, 64, 128, 256)
-MAX_K = 16  # the most draft tokens per speculative round (speculation.governor.k, a governor's next_k)
+MAX_K = 32  # the most draft tokens per speculative round (speculation.governor.k, a governor's next_k)
 MAX_SEED = 2**32 - 1
 MAX_THREADS = 1024
 BUNDLED_PREFIX = "bundled:"

@@ -80,7 +80,7 @@ import logging
 import math
 
 from specter.decode.acceptance_estimate import AcceptanceEstimate
-from specter.decode.governor import Governor
+from specter.decode.governor import MAX_K, Governor
 from specter.decode.roofline_cost import STALE_HALF_LIFE, PlainRound, PromptWaits, VerifyCost
 from specter.decode.roofline_fit import Ema, distinct_experts
 from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch, prediction_by_k
@@ -112,8 +112,8 @@ class RooflineGovernor(Governor):
     def __init__(self, k: int = 4, k_max: int = 8, n_experts: int = 16, top_k: int = 2, ema: float = 0.25,
                  probe_every: int = 12, max_latency_ms: float | None = None, prior_acceptance: float = 0.8,
                  draft_ratio: float = 0.5, cache_slots_per_layer: float | None = None) -> None:
-        if not 1 <= k_max <= 16 or not 0 <= k <= k_max:
-            raise ValueError(f"roofline governor: need 0 <= k <= k_max <= 16, got k={k}, k_max={k_max}")
+        if not 1 <= k_max <= MAX_K or not 0 <= k <= k_max:
+            raise ValueError(f"roofline governor: need 0 <= k <= k_max <= {MAX_K}, got k={k}, k_max={k_max}")
         self.k_max, self.k0 = k_max, k
         self.n_experts, self.top_k = n_experts, top_k
         self.weight, self.probe_every, self.max_latency_ms = ema, probe_every, max_latency_ms

@@ -145,7 +145,7 @@ def test_yaml_yes_is_a_bool_not_an_int(tmp_path):
         ({"offload": {"link": {"latency_us": -1}}}, "offload.link.latency_us"),
         ({"speculation": {"draft": {"group_size": 48}}}, "speculation.draft.group_size"),
         ({"speculation": {"governor": {"k": 0}}}, "speculation.governor.k"),
-        ({"speculation": {"governor": {"k": 17}}}, "speculation.governor.k"),
+        ({"speculation": {"governor": {"k": 33}}}, "speculation.governor.k"),
         ({"prompt": ""}, "prompt"),
         ({"prompts": []}, "prompts"),
     ],

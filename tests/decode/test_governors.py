@@ -29,7 +29,7 @@ def test_fixed_governor_always_returns_k():
 
 @pytest.mark.parametrize("k", [0, -1, MAX_K + 1, True, 2.0, "4"])
 def test_fixed_governor_rejects_bad_k(k):
-    with pytest.raises(ValueError, match="k must be an integer in 1..16"):
+    with pytest.raises(ValueError, match=f"k must be an integer in 1..{MAX_K}"):
         FixedGovernor(k)
 
 
