@@ -6,6 +6,12 @@ Contract:
   available (``specter.native``).
 - ``copy(dst, src)``: ``dst.copy_(src)`` through the native op (``serves`` must hold); the bytes
   are equal, the destination is written around the caches.
+- ``paced_copy(dst, src, seconds)``: the same copy in 256 KiB pieces spread over ``seconds`` from
+  the call (a piece starts no earlier than its offset's share of ``seconds``, at once when behind),
+  so it returns a little before ``seconds`` have passed; no Python lock is held meanwhile. A piece
+  on time uses ordinary stores (the expert lands in the caches just before the wave that awaits it
+  reads it), one behind time streams (a link faster than memcpy). For the emulated link's copies
+  (``serves`` must hold).
 Why: on a CPU device the links' expert copies (12 MiB on the widened model) share the memory with
 decoding. With ordinary stores each destination line is read before it is written and lands in
 the cache, evicting what compute keeps there. Measured on this project's CPU (one thread,
@@ -34,3 +40,7 @@ def serves(dst: Tensor, src: Tensor) -> bool:
 
 def copy(dst: Tensor, src: Tensor) -> None:
     torch.ops.specter_native.stream_copy(dst, src)
+
+
+def paced_copy(dst: Tensor, src: Tensor, seconds: float) -> None:
+    torch.ops.specter_native.paced_copy(dst, src, max(0.0, float(seconds)))

@@ -1,4 +1,5 @@
-"""Links: copies are correct; the emulated link is paced like a serial wire; cuda on a GPU."""
+"""Links: copies are correct; the emulated link is paced like a serial wire (its large copies spread
+over the wire time); cuda on a GPU."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import time
 import pytest
 import torch
 
+from specter import native
 from specter.errors import SpecterError
+from specter.memory import stream_copy
+from specter.memory.link import transfer_nbytes
 from specter.memory.links import CompletedTransfer, EmulatedLink, LocalLink, register_links
 
 torch.set_num_threads(1)
@@ -104,6 +108,43 @@ def test_emulated_is_paced_to_bandwidth_and_latency() -> None:
         assert all(torch.equal(dst[n], src[n]) for dst, src in pairs for n in src)
     finally:
         link.close()
+
+
+@pytest.mark.skipif(not native.available(), reason="paced copies are a native op")
+def test_emulated_paces_a_large_copy_over_its_wire_time_unless_told_not_to() -> None:
+    link = EmulatedLink(gbps=0.04, latency_us=0.0)  # 8 MiB: 210 ms on the wire
+    try:
+        for paced in (True, False):
+            link.paced = paced
+            src, dst = {"w": torch.randn(1 << 21)}, {"w": torch.zeros(1 << 21)}
+            transfer = link.submit(dst, src, 0)
+            time.sleep(0.05)
+            copied = (dst["w"] == src["w"]).float().mean().item()
+            assert not transfer.done()
+            assert 0.0 < copied < 1.0 if paced else copied == 1.0  # unpaced: one burst, then the wait
+            transfer.wait()
+            assert torch.equal(dst["w"], src["w"])
+    finally:
+        link.close()
+
+
+@pytest.mark.skipif(not native.available(), reason="paced copies are a native op")
+def test_emulated_paces_only_links_slower_than_memory_copies(monkeypatch) -> None:
+    calls = []
+    real = stream_copy.paced_copy
+    monkeypatch.setattr(stream_copy, "paced_copy", lambda dst, src, seconds: (calls.append(seconds), real(dst, src, seconds)))
+    for gbps in (2.0, EmulatedLink.PACED_MAX_GBPS * 2):
+        link = EmulatedLink(gbps=gbps, latency_us=0.0)
+        try:
+            src = {"a": torch.randn(1 << 19), "b": torch.randn(1 << 20), "small": torch.randn(64)}
+            dst = {name: torch.zeros_like(t) for name, t in src.items()}
+            link.submit(dst, src, 0).wait()
+            assert all(torch.equal(dst[name], src[name]) for name in src)
+        finally:
+            link.close()
+        if gbps == 2.0:  # the two large tensors, each given its share of the wire time, in order
+            assert len(calls) == 2 and 0 < calls[0] < calls[1] <= link.duration_s(transfer_nbytes(src))
+    assert len(calls) == 2  # the fast link copied at once
 
 
 def test_emulated_idle_link_does_not_bank_time() -> None:

@@ -1,7 +1,11 @@
 """Streaming copies: the same bytes as ``Tensor.copy_`` at any alignment and length; what they
-serve; the links' ``copy_all`` takes them for large host copies."""
+serve; the links' ``copy_all`` takes them for large host copies. Paced copies: the same bytes,
+spread over their time, without the Python lock."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -45,3 +49,31 @@ def test_copy_all_streams_large_copies_and_copies_small_ones(monkeypatch) -> Non
     copy_all(dst, src)
     assert calls == [1 << 19]
     assert all(torch.equal(dst[name], src[name]) for name in src)
+
+
+@needs_native
+@pytest.mark.parametrize("numel, offset", [(1, 0), (1000, 3), ((1 << 18) + 7, 1), (1 << 20, 0)])
+def test_paced_copy_copies_every_byte(numel: int, offset: int) -> None:
+    src = torch.randint(0, 100, (numel,), generator=torch.Generator().manual_seed(numel)).float()
+    buffer = torch.zeros(numel + offset)
+    stream_copy.paced_copy(buffer[offset:], src, 0.002)
+    assert torch.equal(buffer[offset:], src) and not buffer[:offset].any()
+
+
+@needs_native
+def test_paced_copy_spreads_over_its_time_without_holding_the_python_lock() -> None:
+    src = torch.randn(1 << 21)  # 8 MiB: 32 pieces
+    dst = torch.zeros_like(src)
+    spins, seen_partial = 0, False
+    worker = threading.Thread(target=stream_copy.paced_copy, args=(dst, src, 0.3))
+    started = time.perf_counter()
+    worker.start()
+    while worker.is_alive():
+        spins += 1
+        if not seen_partial and time.perf_counter() - started > 0.05:
+            copied = (dst == src).float().mean().item()
+            seen_partial = 0.0 < copied < 1.0  # a burst copy would be complete by now
+    took = time.perf_counter() - started
+    assert seen_partial and took >= 0.3 * 31 / 32 - 1e-3
+    assert spins > 1000  # this thread ran while the copy slept (a held lock would stall it)
+    assert torch.equal(dst, src)

@@ -1,24 +1,37 @@
 // A large host-memory copy with non-temporal (streaming) stores, for the links' expert copies on a
-// CPU device. Contract (see specter/kernels/stream_copy.py): stream_copy(dst, src) copies
+// CPU device. Contract (see specter/memory/stream_copy.py): stream_copy(dst, src) copies
 // src.nbytes() bytes of the contiguous src into the contiguous dst (same byte size). Streaming
 // stores write the destination without first reading it into the caches, so a 12 MiB expert
 // costs two passes over memory instead of three and does not evict what compute keeps cached.
+// paced_copy(dst, src, seconds) does the same copy in PACE_PIECE pieces spread over `seconds`
+// from the call: each piece starts no earlier than its offset's share of `seconds` (at once when
+// behind), so an emulated link's copy draws on memory at the link's rate instead of in one burst.
+// A piece on time uses ordinary stores: at a link's rate the extra read of each destination line
+// costs little, and the expert lands in the caches just before the verification wave that awaits
+// it reads it; a piece behind time (a link faster than memcpy) streams. It holds no Python lock
+// (a dispatcher op called from Python runs without the GIL).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 #include <cstdint>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <immintrin.h>
 #if !defined(__AVX2__)
 #error "stream_copy.cpp is built with -mavx2 (specter/kernels/native.py)"
 #endif
 
-void stream_copy(at::Tensor dst, const at::Tensor& src) {
-  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "stream_copy: dst and src must be contiguous");
-  TORCH_CHECK(dst.nbytes() == src.nbytes(), "stream_copy: dst and src must have the same byte size");
-  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "stream_copy: dst and src must be on the CPU");
-  const int64_t n = static_cast<int64_t>(src.nbytes());
-  char* d = static_cast<char*>(dst.data_ptr());
-  const char* s = static_cast<const char*>(src.data_ptr());
+namespace {
+
+constexpr int64_t PACE_PIECE = 256 * 1024;
+
+void check_pair(const at::Tensor& dst, const at::Tensor& src, const char* op) {
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), op, ": dst and src must be contiguous");
+  TORCH_CHECK(dst.nbytes() == src.nbytes(), op, ": dst and src must have the same byte size");
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu(), op, ": dst and src must be on the CPU");
+}
+
+void stream_bytes(char* d, const char* s, int64_t n) {
   int64_t head = (32 - static_cast<int64_t>(reinterpret_cast<uintptr_t>(d) & 31)) & 31;
   head = head < n ? head : n;
   std::memcpy(d, s, head);  // streaming stores need a 32-byte aligned destination
@@ -37,6 +50,41 @@ void stream_copy(at::Tensor dst, const at::Tensor& src) {
   std::memcpy(d + i, s + i, n - i);
 }
 
-TORCH_LIBRARY_FRAGMENT(specter_native, m) { m.def("stream_copy(Tensor(a!) dst, Tensor src) -> ()"); }
+}  // namespace
 
-TORCH_LIBRARY_IMPL(specter_native, CPU, m) { m.impl("stream_copy", &stream_copy); }
+void stream_copy(at::Tensor dst, const at::Tensor& src) {
+  check_pair(dst, src, "stream_copy");
+  stream_bytes(static_cast<char*>(dst.data_ptr()), static_cast<const char*>(src.data_ptr()),
+               static_cast<int64_t>(src.nbytes()));
+}
+
+void paced_copy(at::Tensor dst, const at::Tensor& src, double seconds) {
+  check_pair(dst, src, "paced_copy");
+  TORCH_CHECK(seconds >= 0.0, "paced_copy: seconds must be >= 0");
+  const int64_t n = static_cast<int64_t>(src.nbytes());
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t done = 0; done < n; done += PACE_PIECE) {
+    const int64_t piece = n - done < PACE_PIECE ? n - done : PACE_PIECE;
+    const double share = static_cast<double>(done) / static_cast<double>(n);
+    const auto due = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double>(seconds * share));
+    if (std::chrono::steady_clock::now() < due) {
+      std::this_thread::sleep_until(due);
+      std::memcpy(d + done, s + done, piece);
+    } else {
+      stream_bytes(d + done, s + done, piece);  // behind (a link faster than memcpy): the fastest copy
+    }
+  }
+}
+
+TORCH_LIBRARY_FRAGMENT(specter_native, m) {
+  m.def("stream_copy(Tensor(a!) dst, Tensor src) -> ()");
+  m.def("paced_copy(Tensor(a!) dst, Tensor src, float seconds) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
+  m.impl("stream_copy", &stream_copy);
+  m.impl("paced_copy", &paced_copy);
+}
