@@ -132,7 +132,8 @@ def test_emulated_paces_a_large_copy_over_its_wire_time_unless_told_not_to() -> 
 def test_emulated_paces_only_links_slower_than_memory_copies(monkeypatch) -> None:
     calls = []
     real = stream_copy.paced_copy
-    monkeypatch.setattr(stream_copy, "paced_copy", lambda dst, src, seconds: (calls.append(seconds), real(dst, src, seconds)))
+    monkeypatch.setattr(stream_copy, "paced_copy",
+                        lambda dst, src, seconds: (calls.append(seconds), real(dst, src, seconds)))
     for gbps in (2.0, EmulatedLink.PACED_MAX_GBPS * 2):
         link = EmulatedLink(gbps=gbps, latency_us=0.0)
         try:
