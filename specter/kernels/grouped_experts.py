@@ -115,12 +115,17 @@ class PairsBySlot:
         self._sorted_slots = flat[self._order]
         self._counts = torch.zeros(n_slots, dtype=torch.long, device=flat.device).scatter_add(
             0, flat, torch.ones_like(flat))
+        ends = self._counts.cumsum(0).tolist()
+        self._bounds = list(zip([0, *ends[:-1]], ends))  # each slot's rows, a range of the sorted pairs
         self._x = x[self._order // self._shape[1]]
         self._weights = weights.reshape(-1)[self._order].unsqueeze(-1)
         self._dtype = x.dtype
         self._out: Tensor | None = None  # [T * k, H] in sorted order
 
     def compute(self, slots: list[int], gate_up: Tensor, down: Tensor, apply_gate: ApplyGate) -> None:
+        if len(slots) == 1:  # most waves on a slow link: the slot's rows are one range, read in place
+            self._compute_slot(slots[0], gate_up, down, apply_gate)
+            return
         in_set = torch.zeros_like(self._counts, dtype=torch.bool)
         in_set[torch.tensor(slots, device=in_set.device)] = True
         rows = in_set[self._sorted_slots].nonzero().squeeze(-1)
@@ -130,6 +135,15 @@ class PairsBySlot:
         if self._out is None:
             self._out = out.new_zeros(self._x.shape[0], out.shape[1])
         self._out.index_copy_(0, rows, out)
+
+    def _compute_slot(self, slot: int, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate) -> None:
+        start, end = self._bounds[slot]
+        ends = torch.tensor([end - start], device=self._counts.device)
+        hidden = apply_gate(native_rows.grouped_rows(self._x[start:end], gate_up[slot : slot + 1], ends))
+        out = native_rows.grouped_rows(hidden, down[slot : slot + 1], ends) * self._weights[start:end]
+        if self._out is None:
+            self._out = out.new_zeros(self._x.shape[0], out.shape[1])
+        self._out[start:end] = out
 
     def result(self) -> Tensor:
         """``[T, H]``: every pair's output summed over j (pairs never computed count as zero)."""

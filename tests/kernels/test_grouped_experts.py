@@ -91,6 +91,10 @@ def test_pairs_by_slot_computed_in_any_split_of_the_slots_have_the_bits_of_one_p
         pairs.compute(wave, gate_up, down, wide_gate)
     one_pass = native_grouped_experts(x, ids, weights, gate_up, down, wide_gate)
     assert torch.equal(pairs.result(), one_pass)
+    one_by_one = PairsBySlot(x, ids, weights, SLOTS)  # single-slot waves: the rows read in place
+    for slot in used + [s for s in range(SLOTS) if s not in used]:  # unused slots: no rows
+        one_by_one.compute([slot], gate_up, down, wide_gate)
+    assert torch.equal(one_by_one.result(), one_pass)
     partial = PairsBySlot(x, ids, weights, SLOTS)
     partial.compute(used[:1], gate_up, down, wide_gate)
     if len(used) > 1:  # pairs of slots never computed count as zero
