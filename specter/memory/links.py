@@ -21,10 +21,12 @@ Built-ins, registered through the ``register_links`` hook:
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
 import time
+import weakref
 
 import torch
 
@@ -65,6 +67,16 @@ class ThreadTransfer(Transfer):
 
 
 _STOP = object()
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # copy-thread links not yet closed
+
+
+@atexit.register
+def _close_open_links() -> None:
+    """Stops every copy thread before the interpreter finalizes: a daemon worker returning from a
+    native copy (which runs without the GIL) once finalization has begun would be ended mid-C++
+    frame, and the process would abort."""
+    for link in list(_OPEN):
+        link.close()
 
 
 class CopyThreadLink(Link):
@@ -76,6 +88,7 @@ class CopyThreadLink(Link):
         self._closed = False
         self._worker = threading.Thread(target=self._serve, name=f"specter-{self.kind}-link", daemon=True)
         self._worker.start()
+        _OPEN.add(self)
 
     def _due(self, submitted: float, previous_completion: float, nbytes: int) -> float:
         """The earliest perf_counter time at which a copy may complete (default: at once)."""
@@ -98,6 +111,7 @@ class CopyThreadLink(Link):
         self._closed = True
         self._queue.put(_STOP)
         self._worker.join()
+        _OPEN.discard(self)
 
     @property
     def alive(self) -> bool:

@@ -148,6 +148,18 @@ def test_emulated_paces_only_links_slower_than_memory_copies(monkeypatch) -> Non
     assert len(calls) == 2  # the fast link copied at once
 
 
+def test_copy_thread_links_still_open_are_closed_at_exit_after_their_copies() -> None:
+    from specter.memory import links
+
+    link = EmulatedLink(gbps=0.1, latency_us=0.0)
+    dst, src = pair(4 * MB)  # 40 ms on the wire
+    transfer = link.submit(dst, src, 0)
+    assert link in links._OPEN
+    links._close_open_links()  # what the interpreter runs at exit, before it finalizes
+    assert transfer.done() and not link.alive and link not in links._OPEN
+    assert all(torch.equal(dst[n], src[n]) for n in src)
+
+
 def test_emulated_idle_link_does_not_bank_time() -> None:
     link = EmulatedLink(gbps=1.0, latency_us=2000.0)
     try:
