@@ -204,15 +204,14 @@ class EmulatedLink(CopyThreadLink):
         return max(submitted, previous_completion) + self.duration_s(nbytes)
 
     def _copy(self, dst: Tensors, src: Tensors, due: float) -> None:
-        start = time.perf_counter()
-        window, total, copied = max(0.0, due - start), max(1, transfer_nbytes(src)), 0
-        for name, tensor in src.items():
-            copied += tensor.nbytes
-            target = dst[name]
-            if self.paced and self.gbps <= self.PACED_MAX_GBPS and stream_copy.serves(target, tensor):
-                stream_copy.paced_copy(target, tensor, start + window * copied / total - time.perf_counter())
-            else:
-                copy_all({name: target}, {name: tensor})
+        """Small tensors at once, then the large ones paced in one native call until ``due``."""
+        paced = self.paced and self.gbps <= self.PACED_MAX_GBPS
+        large = [name for name, tensor in src.items() if paced and stream_copy.serves(dst[name], tensor)]
+        copy_all({name: dst[name] for name in src if name not in large},
+                 {name: tensor for name, tensor in src.items() if name not in large})
+        if large:
+            stream_copy.paced_copy([dst[name] for name in large], [src[name] for name in large],
+                                   due - time.perf_counter())
 
 
 class CudaTransfer(Transfer):

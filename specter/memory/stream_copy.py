@@ -6,8 +6,9 @@ Contract:
   available (``specter.native``).
 - ``copy(dst, src)``: ``dst.copy_(src)`` through the native op (``serves`` must hold); the bytes
   are equal, the destination is written around the caches.
-- ``paced_copy(dst, src, seconds)``: the same copy in 256 KiB pieces spread over ``seconds`` from
-  the call (a piece starts no earlier than its offset's share of ``seconds``, at once when behind),
+- ``paced_copy(dst, src, seconds)``: the same copy (or copies: lists of tensors, one after another)
+  in 256 KiB pieces spread over ``seconds`` from the call (a piece starts no earlier than its
+  offset's share of all the bytes times ``seconds``, at once when behind), in one native call,
   so it returns a little before ``seconds`` have passed; no Python lock is held meanwhile. A piece
   on time uses ordinary stores (the expert lands in the caches just before the wave that awaits it
   reads it), one behind time streams (a link faster than memcpy). For the emulated link's copies
@@ -42,5 +43,7 @@ def copy(dst: Tensor, src: Tensor) -> None:
     torch.ops.specter_native.stream_copy(dst, src)
 
 
-def paced_copy(dst: Tensor, src: Tensor, seconds: float) -> None:
-    torch.ops.specter_native.paced_copy(dst, src, max(0.0, float(seconds)))
+
+def paced_copy(dst: Tensor | list[Tensor], src: Tensor | list[Tensor], seconds: float) -> None:
+    dsts, srcs = ([dst], [src]) if isinstance(dst, Tensor) else (list(dst), list(src))
+    torch.ops.specter_native.paced_copy(dsts, srcs, max(0.0, float(seconds)))

@@ -58,6 +58,10 @@ def test_paced_copy_copies_every_byte(numel: int, offset: int) -> None:
     buffer = torch.zeros(numel + offset)
     stream_copy.paced_copy(buffer[offset:], src, 0.002)
     assert torch.equal(buffer[offset:], src) and not buffer[:offset].any()
+    sources = [src, src.flip(0) + 1, torch.arange(offset + 1.0)]  # a list: one after another
+    targets = [torch.zeros_like(t) for t in sources]
+    stream_copy.paced_copy(targets, sources, 0.002)
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources))
 
 
 @needs_native

@@ -3,9 +3,10 @@
 // src.nbytes() bytes of the contiguous src into the contiguous dst (same byte size). Streaming
 // stores write the destination without first reading it into the caches, so a 12 MiB expert
 // costs two passes over memory instead of three and does not evict what compute keeps cached.
-// paced_copy(dst, src, seconds) does the same copy in PACE_PIECE pieces spread over `seconds`
-// from the call: each piece starts no earlier than its offset's share of `seconds` (at once when
-// behind), so an emulated link's copy draws on memory at the link's rate instead of in one burst.
+// paced_copy(dsts, srcs, seconds) does the same copies, one tensor after another, in PACE_PIECE
+// pieces spread over `seconds` from the call: each piece starts no earlier than its offset's share
+// of all the bytes times `seconds` (at once when behind), so an emulated link's copy draws on
+// memory at the link's rate instead of in one burst.
 // A piece on time uses ordinary stores: at a link's rate the extra read of each destination line
 // costs little, and the expert lands in the caches just before the verification wave that awaits
 // it reads it; a piece behind time (a link faster than memcpy) streams. It holds no Python lock
@@ -58,30 +59,39 @@ void stream_copy(at::Tensor dst, const at::Tensor& src) {
                static_cast<int64_t>(src.nbytes()));
 }
 
-void paced_copy(at::Tensor dst, const at::Tensor& src, double seconds) {
-  check_pair(dst, src, "paced_copy");
+void paced_copy(at::TensorList dst, at::TensorList src, double seconds) {
+  TORCH_CHECK(dst.size() == src.size(), "paced_copy: as many destinations as sources");
   TORCH_CHECK(seconds >= 0.0, "paced_copy: seconds must be >= 0");
-  const int64_t n = static_cast<int64_t>(src.nbytes());
-  char* d = static_cast<char*>(dst.data_ptr());
-  const char* s = static_cast<const char*>(src.data_ptr());
+  int64_t total = 0;
+  for (size_t t = 0; t < src.size(); ++t) {
+    check_pair(dst[t], src[t], "paced_copy");
+    total += static_cast<int64_t>(src[t].nbytes());
+  }
   const auto start = std::chrono::steady_clock::now();
-  for (int64_t done = 0; done < n; done += PACE_PIECE) {
-    const int64_t piece = n - done < PACE_PIECE ? n - done : PACE_PIECE;
-    const double share = static_cast<double>(done) / static_cast<double>(n);
-    const auto due = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                 std::chrono::duration<double>(seconds * share));
-    if (std::chrono::steady_clock::now() < due) {
-      std::this_thread::sleep_until(due);
-      std::memcpy(d + done, s + done, piece);
-    } else {
-      stream_bytes(d + done, s + done, piece);  // behind (a link faster than memcpy): the fastest copy
+  int64_t before = 0;  // bytes of the tensors already copied
+  for (size_t t = 0; t < src.size(); ++t) {
+    const int64_t n = static_cast<int64_t>(src[t].nbytes());
+    char* d = static_cast<char*>(dst[t].data_ptr());
+    const char* s = static_cast<const char*>(src[t].data_ptr());
+    for (int64_t done = 0; done < n; done += PACE_PIECE) {
+      const int64_t piece = n - done < PACE_PIECE ? n - done : PACE_PIECE;
+      const double share = static_cast<double>(before + done) / static_cast<double>(total);
+      const auto due = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                   std::chrono::duration<double>(seconds * share));
+      if (std::chrono::steady_clock::now() < due) {
+        std::this_thread::sleep_until(due);
+        std::memcpy(d + done, s + done, piece);
+      } else {
+        stream_bytes(d + done, s + done, piece);  // behind (a link faster than memcpy): the fastest copy
+      }
     }
+    before += n;
   }
 }
 
 TORCH_LIBRARY_FRAGMENT(specter_native, m) {
   m.def("stream_copy(Tensor(a!) dst, Tensor src) -> ()");
-  m.def("paced_copy(Tensor(a!) dst, Tensor src, float seconds) -> ()");
+  m.def("paced_copy(Tensor(a!)[] dst, Tensor[] src, float seconds) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
