@@ -43,7 +43,6 @@ def copy(dst: Tensor, src: Tensor) -> None:
     torch.ops.specter_native.stream_copy(dst, src)
 
 
-
 def paced_copy(dst: Tensor | list[Tensor], src: Tensor | list[Tensor], seconds: float) -> None:
     dsts, srcs = ([dst], [src]) if isinstance(dst, Tensor) else (list(dst), list(src))
     torch.ops.specter_native.paced_copy(dsts, srcs, max(0.0, float(seconds)))

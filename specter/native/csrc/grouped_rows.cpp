@@ -19,7 +19,7 @@
 #include <tuple>
 #include <immintrin.h>
 #if !defined(__AVX2__) || !defined(__FMA__)
-#error "grouped_rows.cpp is built with -mavx2 -mfma (specter/kernels/native_rows.py)"
+#error "grouped_rows.cpp is built with -mavx2 -mfma (specter/native/__init__.py)"
 #endif
 
 namespace {

@@ -19,7 +19,7 @@
 #include <thread>
 #include <immintrin.h>
 #if !defined(__AVX2__)
-#error "stream_copy.cpp is built with -mavx2 (specter/kernels/native.py)"
+#error "stream_copy.cpp is built with -mavx2 (specter/native/__init__.py)"
 #endif
 
 namespace {
