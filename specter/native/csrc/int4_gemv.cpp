@@ -21,7 +21,7 @@
 #include <vector>
 #include <immintrin.h>
 #if !defined(__AVX2__) || !defined(__FMA__)
-#error "int4_gemv.cpp is built with -mavx2 -mfma (specter/kernels/int4_native.py)"
+#error "int4_gemv.cpp is built with -mavx2 -mfma (specter/native/__init__.py)"
 #endif
 
 namespace {
