@@ -7,8 +7,9 @@ Contract:
   ``callback(row, x [T, H], top_k_index [T, k], top_k_weights [T, k]) -> Tensor``.
 - ``LayerHost(runtime, modules, computes=None)``: the compiled decoder's host (registered under
   ``handle``; ``computes`` says which op the graph calls; None: whether one expert of the cache's
-  store, ``store.expert_bytes``, holds at least ``COMPUTES_MIN_BYTES``). Inside ``with host.live():`` (one fused
-  cache step) each call tells the runtime's observers about the layer and
+  store, ``store.expert_bytes``, holds at least ``COMPUTES_MIN_BYTES``). Inside
+  ``with host.live():`` (one fused cache step) each call tells the runtime's observers about the
+  layer and
   * ``computes=False`` (``layer_slots``): releases the previous row's experts, acquires the row's
     (``ExpertCache.acquire``: waits for their transfers, loads misses) and returns the slot table
     row [E] int64 (the slot of every expert, -1 where absent) for the graph to read; the last

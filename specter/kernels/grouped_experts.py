@@ -98,10 +98,17 @@ def native_grouped_experts(
     order = torch.sort(pairs, stable=True).indices  # pairs grouped by expert
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=ids.device)
     ends = counts.scatter_add(0, pairs, torch.ones_like(pairs)).cumsum(0)
-    hidden = apply_gate(native_rows.grouped_rows(x[order // top_k], gate_up, ends))  # [pairs, I]
-    out = native_rows.grouped_rows(hidden, down, ends) * weights.reshape(-1)[order].unsqueeze(-1)
+    out = _sorted_pairs(x[order // top_k], weights.reshape(-1)[order].unsqueeze(-1), gate_up, down, ends, apply_gate)
     unsorted = torch.zeros_like(out).index_copy(0, order, out)
     return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def _sorted_pairs(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, ends: Tensor,
+                  apply_gate: ApplyGate) -> Tensor:
+    """Pairs sorted by expert (rows ``ends[s-1] .. ends[s]`` of ``x [P, H]`` run expert ``s``),
+    each scaled by its ``weights [P, 1]``: ``[P, H]``, float32."""
+    hidden = apply_gate(native_rows.grouped_rows(x, gate_up, ends))  # [P, I]
+    return native_rows.grouped_rows(hidden, down, ends) * weights
 
 
 class PairsBySlot:
@@ -130,20 +137,21 @@ class PairsBySlot:
         in_set[torch.tensor(slots, device=in_set.device)] = True
         rows = in_set[self._sorted_slots].nonzero().squeeze(-1)
         ends = torch.where(in_set, self._counts, 0).cumsum(0)
-        hidden = apply_gate(native_rows.grouped_rows(self._x[rows], gate_up, ends))
-        out = native_rows.grouped_rows(hidden, down, ends) * self._weights[rows]
-        if self._out is None:
-            self._out = out.new_zeros(self._x.shape[0], out.shape[1])
-        self._out.index_copy_(0, rows, out)
+        out = _sorted_pairs(self._x[rows], self._weights[rows], gate_up, down, ends, apply_gate)
+        self._output(out).index_copy_(0, rows, out)
 
     def _compute_slot(self, slot: int, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate) -> None:
         start, end = self._bounds[slot]
         ends = torch.tensor([end - start], device=self._counts.device)
-        hidden = apply_gate(native_rows.grouped_rows(self._x[start:end], gate_up[slot : slot + 1], ends))
-        out = native_rows.grouped_rows(hidden, down[slot : slot + 1], ends) * self._weights[start:end]
+        out = _sorted_pairs(self._x[start:end], self._weights[start:end], gate_up[slot : slot + 1],
+                            down[slot : slot + 1], ends, apply_gate)
+        self._output(out)[start:end] = out
+
+    def _output(self, out: Tensor) -> Tensor:
+        """The pairs' output buffer, allocated (zeros) for ``out``'s width by the first wave."""
         if self._out is None:
             self._out = out.new_zeros(self._x.shape[0], out.shape[1])
-        self._out[start:end] = out
+        return self._out
 
     def result(self) -> Tensor:
         """``[T, H]``: every pair's output summed over j (pairs never computed count as zero)."""
