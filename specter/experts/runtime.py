@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
-from specter.kernels.grouped_experts import PairsBySlot, grouped_experts, supports, takes_native
+from specter.kernels.grouped_experts import PairsBySlot, grouped_experts, is_silu_glu, supports, takes_native
 from specter.model.layout import MoELayer
 
 IMPLEMENTATION_NAME = "specter"
@@ -125,6 +125,7 @@ class ExpertRuntime:
         self.mode = "target"
         self.observers: list[RoutingObserver] = []
         self._views = {m.layer: SlotView(m.experts, cache.slots) for m in layers} if cache is not None else {}
+        self._silu_glu = {m.layer: is_silu_glu(m.experts) for m in layers}  # a wave of one expert: one native call
         self.waves = True  # see _compute_in_waves; False: one wait for all of a layer's experts
         self.on_release: Callable[[int, list[int]], None] | None = None  # (layer, experts) freed mid-layer
         self.overlap_s = 0.0  # seconds of waves computed while later experts of their layer still copied
@@ -188,7 +189,8 @@ class ExpertRuntime:
             slot_of = dict(zip(experts, slots))
             while True:
                 started = time.perf_counter()
-                pairs.compute([slot_of[e] for e in wave], view.gate_up_proj, view.down_proj, view._apply_gate)
+                pairs.compute([slot_of[e] for e in wave], view.gate_up_proj, view.down_proj, view._apply_gate,
+                              self._silu_glu[layer])
                 self.cache.release(layer, wave)
                 pending = [e for e in pending if e not in wave]
                 if not pending:

@@ -24,7 +24,9 @@ Contract:
 - ``PairsBySlot(x, slot_ids, weights, n_slots)``: the same pairs sorted by slot once, computed a
   set of slots at a time (``compute(slots, ...)``, as their weights arrive) and summed over j once
   (``result``): the bits of ``native_grouped_experts`` in one call, for any split of the slots
-  (``takes_native`` must hold; eager only: a wave's rows have a data-dependent count).
+  (``takes_native`` must hold; eager only: a wave's rows have a data-dependent count). With
+  ``silu_glu`` (the gate is ``is_silu_glu``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek) a wave of
+  one slot is one native call (``native_rows.glu_expert_rows``), the same bits.
 - ``supports(module)``: whether a transformers experts module has the layout this kernel covers
   (gated, [out, in] weights, no biases, no post-expert norm: Mixtral, Qwen2/3-MoE, OLMoE,
   DeepSeek, PhiMoE); other layouts use transformers' own kernel.
@@ -37,7 +39,13 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from transformers.activations import SiLUActivation
+from transformers.integrations import moe as hf_moe
+
 from specter.kernels import native_rows
+
+_SILU_TYPES = (nn.SiLU, SiLUActivation)
+_DEFAULT_APPLY_GATE = getattr(hf_moe, "_default_apply_gate", None)  # private in transformers: None if it moves
 
 ApplyGate = Callable[[Tensor], Tensor]  # [..., 2I] -> [..., I]
 
@@ -73,6 +81,13 @@ def grouped_experts(
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def is_silu_glu(module: nn.Module) -> bool:
+    """Whether ``module``'s gate is transformers' default (``gate, up = chunk(2)``,
+    ``act_fn(gate) * up``) with a SiLU ``act_fn``: what ``native_rows.glu_expert_rows`` computes."""
+    return (_DEFAULT_APPLY_GATE is not None and getattr(type(module), "_apply_gate", None) is _DEFAULT_APPLY_GATE
+            and type(getattr(module, "act_fn", None)) in _SILU_TYPES)
 
 
 def takes_native(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> bool:
@@ -129,28 +144,35 @@ class PairsBySlot:
         self._dtype = x.dtype
         self._out: Tensor | None = None  # [T * k, H] in sorted order
 
-    def compute(self, slots: list[int], gate_up: Tensor, down: Tensor, apply_gate: ApplyGate) -> None:
+    def compute(self, slots: list[int], gate_up: Tensor, down: Tensor, apply_gate: ApplyGate,
+                silu_glu: bool = False) -> None:
+        """The pairs of ``slots``; ``silu_glu``: ``apply_gate`` is a silu-gated GLU
+        (``is_silu_glu``), so a single slot's pairs run in one native call (same bits)."""
         if len(slots) == 1:  # most waves on a slow link: the slot's rows are one range, read in place
-            self._compute_slot(slots[0], gate_up, down, apply_gate)
+            self._compute_slot(slots[0], gate_up, down, apply_gate, silu_glu)
             return
         in_set = torch.zeros_like(self._counts, dtype=torch.bool)
         in_set[torch.tensor(slots, device=in_set.device)] = True
         rows = in_set[self._sorted_slots].nonzero().squeeze(-1)
         ends = torch.where(in_set, self._counts, 0).cumsum(0)
         out = _sorted_pairs(self._x[rows], self._weights[rows], gate_up, down, ends, apply_gate)
-        self._output(out).index_copy_(0, rows, out)
+        self._output(down).index_copy_(0, rows, out)
 
-    def _compute_slot(self, slot: int, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate) -> None:
+    def _compute_slot(self, slot: int, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate, silu_glu: bool) -> None:
         start, end = self._bounds[slot]
+        if silu_glu:
+            native_rows.glu_expert_rows(self._output(down)[start:end], self._x[start:end], gate_up[slot], down[slot],
+                                        self._weights[start:end])
+            return
         ends = torch.tensor([end - start], device=self._counts.device)
         out = _sorted_pairs(self._x[start:end], self._weights[start:end], gate_up[slot : slot + 1],
                             down[slot : slot + 1], ends, apply_gate)
-        self._output(out)[start:end] = out
+        self._output(down)[start:end] = out
 
-    def _output(self, out: Tensor) -> Tensor:
-        """The pairs' output buffer, allocated (zeros) for ``out``'s width by the first wave."""
+    def _output(self, down: Tensor) -> Tensor:
+        """The pairs' output buffer ``[T * k, H]`` (H from ``down``), allocated (zeros) by the first wave."""
         if self._out is None:
-            self._out = out.new_zeros(self._x.shape[0], out.shape[1])
+            self._out = self._x.new_zeros(self._x.shape[0], down.shape[1], dtype=torch.float32)
         return self._out
 
     def result(self) -> Tensor:

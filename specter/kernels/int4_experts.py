@@ -38,10 +38,13 @@ Expert-parallel sentinels (ids >= num_experts) are not supported.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 
 from specter.kernels import int4_native
+from specter.kernels.grouped_experts import is_silu_glu
 from specter.kernels.int4 import Backend, Int4Weight, choose_backend, int4_matmul, kernel_dtype, quantize_int4
 from specter.kernels.int4_rows import IN_PLACE_BACKENDS, rows_in_place
 
@@ -62,6 +65,10 @@ def _stacked_int4(
     scales = torch.stack([p.scales for p in per_expert])  # [E, ...]
     views = [Int4Weight(backend, (n, k), group_size, packed[e], scales[e]) for e in range(num_experts)]
     return views, packed, scales
+
+
+def _restacked(views: list[Int4Weight], packed: Tensor, scales: Tensor) -> list[Int4Weight]:
+    return [Int4Weight(w.backend, w.shape, w.group_size, packed[e], scales[e]) for e, w in enumerate(views)]
 
 
 class Int4Experts:
@@ -93,6 +100,14 @@ class Int4Experts:
         up_bias = getattr(module, f"{up_name}_bias").detach() if has_bias else None
         down_bias = module.down_proj_bias.detach() if has_bias else None
         return cls(module, up, down, up_bias, down_bias)
+
+    def move_storage(self, place: Callable[[Tensor], Tensor]) -> None:
+        """The stacked packed weights and scales replaced by ``place(tensor)`` (the same values in
+        other memory, e.g. ``huge_pages.rehome``), the per-expert views rebuilt on them."""
+        self.up_packed, self.up_scales = place(self.up_packed), place(self.up_scales)
+        self.down_packed, self.down_scales = place(self.down_packed), place(self.down_scales)
+        self.up = _restacked(self.up, self.up_packed, self.up_scales)
+        self.down = _restacked(self.down, self.down_packed, self.down_scales)
 
     @property
     def backend(self) -> Backend:
@@ -261,13 +276,9 @@ class Int4Experts:
 def _plain_silu_glu(experts: Int4Experts) -> bool:
     """Whether the experts are transformers' default SiLU-gated MLP (the gate the first half of
     gate_up, no biases, no post norm): what ``int4_native.glu_token`` computes."""
-    from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
-
     module = getattr(experts.module, "_module", experts.module)  # through the runtime's SlotView
     return (experts.has_gate and experts.up_bias is None and experts.down_bias is None and experts.post_norm is None
-            and isinstance(getattr(module, "act_fn", None), (nn.SiLU, SiLUActivation))
-            and getattr(type(module), "_apply_gate", None) is _default_apply_gate)
+            and is_silu_glu(module))
 
 
 def quantize_model_experts(

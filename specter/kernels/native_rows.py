@@ -44,6 +44,12 @@ def grouped_rows(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     return torch.ops.specter_native.grouped_rows(x.contiguous(), w, ends)
 
 
+def glu_expert_rows(out: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor) -> None:
+    """One expert's silu-gated MLP on its rows into ``out`` (see the module docstring); ``serves``
+    must hold for ``x``, ``gate_up`` and ``down``."""
+    torch.ops.specter_native.glu_expert_rows(out, x.contiguous(), gate_up, down, weights)
+
+
 def normed_rows(h: Tensor, norm_weight: Tensor, eps: float, weights: list[Tensor]) -> tuple[Tensor, Tensor]:
     """The RMS-normed row and every weight on it (see the module docstring); ``serves`` must hold."""
     return torch.ops.specter_native.normed_rows(h.contiguous(), norm_weight, eps, weights)

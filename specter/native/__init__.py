@@ -13,6 +13,8 @@ Contract:
   graphs call them as extern kernels): ``int4_gemv``, ``int4_rows`` and ``int4_glu_token``
   (``specter.kernels.int4_native``, the INT4 draft); ``grouped_rows`` and ``normed_rows``
   (``specter.kernels.native_rows``: full-precision experts, the draft's norms and projections);
+  ``glu_expert_rows`` (``native_rows``: one expert's gated MLP, a verification wave; it mutates
+  its output and is called eagerly only, with no fake implementation);
   ``stream_copy`` and ``paced_copy`` (``specter.memory.stream_copy``, the links' large host
   copies) mutate their destinations and are not called from compiled graphs.
 - A build lock (torch's ``lock`` file in the build directory) older than ``STALE_LOCK_S`` is

@@ -9,7 +9,9 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from specter.experts.runtime import use_grouped_kernel
-from specter.kernels.grouped_experts import PairsBySlot, grouped_experts, native_grouped_experts, supports
+from specter.kernels.grouped_experts import (
+    PairsBySlot, grouped_experts, is_silu_glu, native_grouped_experts, supports,
+)
 
 HIDDEN, INTER, SLOTS = 32, 24, 7
 
@@ -95,10 +97,33 @@ def test_pairs_by_slot_computed_in_any_split_of_the_slots_have_the_bits_of_one_p
     for slot in used + [s for s in range(SLOTS) if s not in used]:  # unused slots: no rows
         one_by_one.compute([slot], gate_up, down, wide_gate)
     assert torch.equal(one_by_one.result(), one_pass)
+    fused = PairsBySlot(x, ids, weights, SLOTS)  # single-slot waves in one native call each
+    for slot in used:
+        fused.compute([slot], gate_up, down, wide_gate, silu_glu=True)
+    assert torch.equal(fused.result(), one_pass)
     partial = PairsBySlot(x, ids, weights, SLOTS)
     partial.compute(used[:1], gate_up, down, wide_gate)
     if len(used) > 1:  # pairs of slots never computed count as zero
         assert not torch.equal(partial.result(), one_pass)
+
+
+def test_is_silu_glu_only_for_the_default_gate_with_a_silu() -> None:
+    config = MixtralConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    experts = MixtralForCausalLM(config).model.layers[0].mlp.experts
+    assert is_silu_glu(experts)
+    experts.act_fn = torch.nn.GELU()
+    assert not is_silu_glu(experts)
+    experts.act_fn = torch.nn.SiLU()
+    assert is_silu_glu(experts)
+
+    class OwnGate(type(experts)):
+        def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return gate * torch.sigmoid(gate) * up
+
+    experts.__class__ = OwnGate
+    assert not is_silu_glu(experts)
 
 
 def test_all_tokens_on_one_expert_and_unused_slots() -> None:

@@ -120,3 +120,21 @@ def test_normed_rows_refuses_what_it_cannot_compute() -> None:
         native_rows.normed_rows(torch.randn(1, 64), torch.ones(48), 1e-5, [torch.randn(4, 64)])
     with pytest.raises(RuntimeError, match=r"\[N, K\]"):
         native_rows.normed_rows(torch.randn(1, 64), torch.ones(64), 1e-5, [torch.randn(4, 48)])
+
+
+@needs_native
+def test_glu_expert_rows_writes_the_gated_mlp_of_its_rows_and_refuses_bad_shapes() -> None:
+    gen = torch.Generator().manual_seed(5)
+    hidden, inter, rows = 32, 48, 5
+    x, gate_up = torch.randn(rows, hidden, generator=gen), torch.randn(2 * inter, hidden, generator=gen)
+    down, weights = torch.randn(hidden, inter, generator=gen), torch.rand(rows, 1, generator=gen)
+    buffer = torch.full((rows + 2, hidden), 7.0)
+    native_rows.glu_expert_rows(buffer[1 : rows + 1], x, gate_up, down, weights)
+    h = x.double() @ gate_up.double().T
+    expected = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down.double().T * weights.double()
+    torch.testing.assert_close(buffer[1 : rows + 1].double(), expected, rtol=1e-4, atol=1e-4)
+    assert bool((buffer[0] == 7.0).all()) and bool((buffer[-1] == 7.0).all())  # only its rows written
+    with pytest.raises(RuntimeError, match="down must be"):
+        native_rows.glu_expert_rows(buffer[1 : rows + 1], x, gate_up, down.T.contiguous(), weights)
+    with pytest.raises(RuntimeError, match="weights must be"):
+        native_rows.glu_expert_rows(buffer[1 : rows + 1], x, gate_up, down, weights[:2])

@@ -10,9 +10,13 @@
 // the weight and K only, never on how many rows its group has.
 //   normed_rows(h float32 [1, K], norm_weight [K], eps, weights [N_i, K]...) -> (normed [1, K],
 //   [1, sum N_i]): an RMS norm, then every weight on the normed row, outputs side by side.
+//   glu_expert_rows(out [R, H], x [R, H], gate_up [2I, H], down [H, I], weights [R, 1]): one
+//   expert's silu-gated MLP on its rows, scaled per row, written into out.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 #include <cmath>
 #include <cstdint>
@@ -108,6 +112,21 @@ void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* ou
   }
 }
 
+// Rows start .. end of x [P, k] times the weight wg [n, k]^T into out [P, n].
+void rows_times_weight(const float* xp, int64_t start, int64_t end, const float* wg, int64_t n, int64_t k,
+                       float* op) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t stop) {
+    int64_t j = begin;
+    if (k >= kQuadK)
+      for (; j + 3 < stop; j += 4)
+        for (int64_t r = start; r < end; r += 3)
+          dot_any_quad(static_cast<int>(std::min<int64_t>(3, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n);
+    for (; j < stop; ++j)
+      for (int64_t r = start; r < end; r += 4)
+        dot_any(static_cast<int>(std::min<int64_t>(4, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n);
+  });
+}
+
 }  // namespace
 
 at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends) {
@@ -130,22 +149,36 @@ at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
   for (int64_t g = 0; g < s; ++g) {
     const int64_t end = ep[g];
     TORCH_CHECK(end >= start && end <= p, "grouped_rows: ends must be non-decreasing and at most P");
-    if (end > start) {
-      const float* wg = wp + g * n * k;
-      at::parallel_for(0, n, 16, [&](int64_t begin, int64_t stop) {
-        int64_t j = begin;
-        if (k >= kQuadK)
-          for (; j + 3 < stop; j += 4)
-            for (int64_t r = start; r < end; r += 3)
-              dot_any_quad(static_cast<int>(std::min<int64_t>(3, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n);
-        for (; j < stop; ++j)
-          for (int64_t r = start; r < end; r += 4)
-            dot_any(static_cast<int>(std::min<int64_t>(4, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n);
-      });
-    }
+    if (end > start) rows_times_weight(xp, start, end, wp + g * n * k, n, k, op);
     start = end;
   }
   return out;
+}
+
+// One expert's gated MLP on its rows, into `out`: out = (down @ (silu(gate) * up)) * weights with
+// [gate | up] = gate_up @ x, the bits of grouped_rows, PyTorch's silu and mul, grouped_rows and mul
+// called one by one (the same kernels), in one call: a verification wave of one expert.
+void glu_expert_rows(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                     const at::Tensor& weights) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "glu_expert_rows: x must be a contiguous float32 [R, H] tensor");
+  const int64_t r = x.size(0), h = x.size(1), two_i = gate_up.size(0), inter = two_i / 2;
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) == h && two_i % 2 == 0 && gate_up.scalar_type() == at::kFloat &&
+                  gate_up.is_contiguous() && h % 16 == 0,
+              "glu_expert_rows: gate_up must be a contiguous float32 [2I, H] tensor, H a multiple of 16");
+  TORCH_CHECK(down.dim() == 2 && down.size(0) == h && down.size(1) == inter && down.scalar_type() == at::kFloat &&
+                  down.is_contiguous() && inter % 16 == 0,
+              "glu_expert_rows: down must be a contiguous float32 [H, I] tensor, I a multiple of 16");
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == r && weights.size(1) == 1 && weights.scalar_type() == at::kFloat,
+              "glu_expert_rows: weights must be a float32 [R, 1] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == r && out.size(1) == h && out.scalar_type() == at::kFloat,
+              "glu_expert_rows: out must be a float32 [R, H] tensor");
+  auto hidden = at::empty({r, two_i}, x.options());
+  rows_times_weight(x.data_ptr<float>(), 0, r, gate_up.data_ptr<float>(), two_i, h, hidden.data_ptr<float>());
+  auto gated = at::mul(at::silu(hidden.narrow(1, 0, inter)), hidden.narrow(1, inter, inter)).contiguous();
+  auto rows = at::empty({r, h}, x.options());
+  rows_times_weight(gated.data_ptr<float>(), 0, r, down.data_ptr<float>(), h, inter, rows.data_ptr<float>());
+  at::mul_out(out, rows, weights);
 }
 
 // One row through an RMS norm and then several weights: normed = h * rsqrt(mean(h^2) + eps) *
@@ -193,9 +226,11 @@ std::tuple<at::Tensor, at::Tensor> normed_rows(const at::Tensor& h, const at::Te
 TORCH_LIBRARY_FRAGMENT(specter_native, m) {
   m.def("grouped_rows(Tensor x, Tensor w, Tensor ends) -> Tensor");
   m.def("normed_rows(Tensor h, Tensor norm_weight, float eps, Tensor[] weights) -> (Tensor, Tensor)");
+  m.def("glu_expert_rows(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor down, Tensor weights) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
   m.impl("grouped_rows", &grouped_rows);
   m.impl("normed_rows", &normed_rows);
+  m.impl("glu_expert_rows", &glu_expert_rows);
 }
