@@ -155,7 +155,12 @@ class PrefetchScheduler:
         """Recompute the predictions ahead and the window (the first ``capacity`` of them) after
         a prediction or the frontier changed, and make the window exactly the cache's protected
         set."""
-        self._ahead = [k for k in self.ordered(self._predicted) if k[0] >= self._frontier and k not in self._done]
+        self._set_window([k for k in self.ordered(self._predicted) if k[0] >= self._frontier and k not in self._done])
+
+    def _set_window(self, ahead: list[ExpertKey]) -> None:
+        """``ahead`` (in need order) is the predictions ahead: the window is its first ``capacity``
+        keys and the cache's protected set exactly the window (conservative: all of ``ahead``)."""
+        self._ahead = ahead
         self._ahead_version += 1
         self._window = self._ahead[: self.cache.capacity]
         self.cache.unprotect_all()
@@ -241,13 +246,19 @@ class PrefetchScheduler:
         stream into the freed slots at once."""
         if not self._active or layer < self._frontier:
             return
-        self._done.update((layer, int(e)) for e in experts)
-        self._stream(reserve=0)
+        done = {(layer, int(e)) for e in experts}
+        self._done |= done
+        # predictions and frontier unchanged since the window was computed: the keys ahead keep
+        # their order, less the ones done (no re-sort)
+        self._set_window([k for k in self._ahead if k not in done])
+        self._stream(reserve=0, window_current=True)
 
-    def _stream(self, reserve: int) -> None:
-        """The frontier or the keys done moved: recompute the window and issue its missing keys
-        into whatever slots are free now, leaving ``reserve`` spare for demand loads."""
-        self._protect_window()
+    def _stream(self, reserve: int, window_current: bool = False) -> None:
+        """The frontier or the keys done moved: recompute the window (unless ``window_current``)
+        and issue its missing keys into whatever slots are free now, leaving ``reserve`` spare for
+        demand loads."""
+        if not window_current:
+            self._protect_window()
         missing = self._missing()
         if missing:
             self._send_hints()
