@@ -5,7 +5,8 @@ checkpoint and the tokenizer, and asks the plugin registry for the recipe's engi
 ``engine``), handing the factory an ``EngineParts``: the pieces every engine is assembled from,
 each built on first request (the dense model on the device, the offloaded model with its host
 store, the cache policy, the link and the expert cache sized by ``offload.expert_budget``, the
-predictor and the governor). With ``compile: true`` the engine gets its compiled steps here, so
+predictor and the governor). With ``huge_pages`` on a CPU device where Linux allows them, the
+models' large weights, the host store and the cache slots lie on 2 MiB pages. With ``compile: true`` the engine gets its compiled steps here, so
 decode timings exclude compilation; without, a ``specter`` engine gets its lean eager draft step
 where the model allows (``specter.compile.lean_draft``). Nothing below this module imports it;
 entry points (``specter.api``, the CLIs) call it.
@@ -27,7 +28,9 @@ from specter.model.compat import require_supported_transformers
 from specter.model.loader import DTYPES, checkpoint_dir, load_model, load_tokenizer
 from specter.decode.governor import Governor
 from specter.memory.budget import budget_slots
+from specter.memory import huge_pages
 from specter.memory.cache import ExpertCache
+from specter.memory.store import ExpertStore
 from specter.memory.link import Link
 from specter.policies.base import CachePolicy
 from specter.predictors.base import Predictor
@@ -122,9 +125,16 @@ class EngineParts:
         return dict(dtype=self.dtype, device=self.device, allow_pickle=recipe.allow_pickle,
                     trust_remote_code=recipe.trust_remote_code)
 
+    @property
+    def huge_pages(self) -> bool:
+        """Weights, host experts and cache slots on 2 MiB pages (``huge_pages``, CPU devices)."""
+        return self.recipe.huge_pages and self.device.type == "cpu" and huge_pages.supported()
+
     @cached_property
     def resident_model(self) -> torch.nn.Module:
         model, _, _ = load_model(self.path, **self._load_options())
+        if self.huge_pages:
+            huge_pages.rehome_module(model)
         return model
 
     @cached_property
@@ -134,11 +144,16 @@ class EngineParts:
                                           experts_on_disk=recipe.offload.experts_on == "disk",
                                           direct_io=recipe.offload.direct_io, **self._load_options())
         n_slots = slots_for_budget(recipe, store, max(m.top_k for m in layers))
+        if self.huge_pages:
+            huge_pages.rehome_module(model)  # the weights outside the experts
+            if isinstance(store, ExpertStore):
+                store.move_storage(huge_pages.rehome)
         link = make_link(recipe, self.device, store)
         policy = _cache_policy(recipe)
         verify = recipe.offload.verify_copies or os.environ.get("SPECTER_VERIFY_COPIES", "") not in ("", "0")
         cache = ExpertCache(store, n_slots, self.device, link, policy,
-                            transfer_timeout_s=recipe.offload.transfer_timeout_s, verify_copies=verify)
+                            transfer_timeout_s=recipe.offload.transfer_timeout_s, verify_copies=verify,
+                            huge_pages=self.huge_pages)
         return OffloadedParts(recipe, model, self.tokenizer, self.device, self.path, layers, store, cache, link)
 
     def _shape(self) -> dict:

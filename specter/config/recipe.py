@@ -217,6 +217,9 @@ class Recipe(_Section):
     offload: OffloadConfig = _field("expert offloading", factory=OffloadConfig)
     speculation: SpeculationConfig = _field("speculative decoding", factory=SpeculationConfig)
     compile: bool = _field("torch.compile the decode step functions", False)
+    huge_pages: bool = _field("on a CPU device, large weights, host experts and cache slots on 2 MiB transparent "
+                              "huge pages where Linux allows them (THP always or madvise; else ordinary pages): "
+                              "fewer page walks per expert read", True)
     allow_pickle: bool = _field("allow loading .bin (pickle) checkpoints, which can run code", False)
     trust_remote_code: bool = _field("let transformers run model code shipped with the checkpoint", False)
     check_lossless: bool = _field(

@@ -3,6 +3,7 @@
 Contract:
 - Device memory is allocated once: ``slots[name]`` is ``[n_slots, *per_expert_shape]`` for every
   parameter name of the store. Contents change, shapes never; ``bytes == n_slots * expert_bytes``.
+  With ``huge_pages`` on a CPU device the slots lie on 2 MiB pages (``specter.memory.huge_pages``).
 - A slot is FREE, LOADING (a ``Transfer`` is in flight into it) or READY. A key ``(layer, expert)``
   occupies at most one slot and a slot holds at most one key.
 - ``slot_table`` (``[len(store.layers), n_experts]`` long, on the device, row = position of the
@@ -42,6 +43,7 @@ from typing import Iterable, Sequence
 import torch
 
 from specter.errors import BudgetError, SpecterError
+from specter.memory.huge_pages import empty as huge_pages_empty
 from specter.memory.stats import CacheStats
 from specter.plugins import call_plugin
 from specter.memory.link import Link, Transfer, TransferTimeout, checksum, copy_all, wait_for
@@ -68,6 +70,7 @@ class ExpertCache:
         policy: CachePolicy,
         transfer_timeout_s: float | None = 60.0,
         verify_copies: bool = False,
+        huge_pages: bool = False,
     ) -> None:
         if n_slots < 1:
             raise BudgetError(f"offload.expert_budget: the cache needs at least 1 slot, got {n_slots}")
@@ -81,14 +84,19 @@ class ExpertCache:
         self.total_reloads = 0
         self._checksums: dict[ExpertKey, tuple[int, ...]] = {}
         self.stats = CacheStats()
+        on_huge_pages = huge_pages and self.device.type == "cpu"
         self.slots: dict[str, torch.Tensor] = {
-            name: torch.empty((n_slots, *shape), dtype=store.dtype, device=self.device)
+            name: huge_pages_empty((n_slots, *shape), store.dtype) if on_huge_pages
+            else torch.empty((n_slots, *shape), dtype=store.dtype, device=self.device)
             for name, shape in store.param_shapes.items()
         }
         self._row = {layer: row for row, layer in enumerate(store.layers)}
         self.slot_table = torch.full(
             (len(store.layers), store.n_experts), -1, dtype=torch.long, device=self.device
         )
+        # on a CPU the table is written through a NumPy view of its memory (a tensor item write costs
+        # 2-30 us, one a load and one an eviction on the verification's critical path)
+        self._table_host = self.slot_table.numpy() if self.slot_table.device.type == "cpu" else None
         self._key_in: list[ExpertKey | None] = [None] * n_slots
         self._state: list[SlotState] = [SlotState.FREE] * n_slots
         self._pins: list[int] = [0] * n_slots
@@ -330,7 +338,7 @@ class ExpertCache:
         assert self._pins[slot] == 0 and self._state[slot] is SlotState.READY
         self._key_in[slot] = None
         self._state[slot] = SlotState.FREE
-        self.slot_table[self._row[victim[0]], victim[1]] = -1
+        self._set_table(victim, -1)
         if counted:
             self.stats.evictions += 1
             if victim in self._unused_prefetches:
@@ -403,4 +411,10 @@ class ExpertCache:
         key = self._key_in[slot]
         assert key is not None
         self._state[slot] = SlotState.READY
-        self.slot_table[self._row[key[0]], key[1]] = slot
+        self._set_table(key, slot)
+
+    def _set_table(self, key: ExpertKey, slot: int) -> None:
+        if self._table_host is not None:
+            self._table_host[self._row[key[0]], key[1]] = slot
+        else:
+            self.slot_table[self._row[key[0]], key[1]] = slot

@@ -5,14 +5,15 @@ indices follow the model's own numbering (they may skip dense layers). Every lay
 parameter names, per-expert shapes and dtype, else ``SpecterError``. ``expert(layer, e)`` returns
 views (no copies) of one expert's parameters. With ``pin=True`` and CUDA present, the stacked
 tensors are moved to page-locked memory one at a time, so that host-to-device copies can be
-asynchronous while the peak extra RAM stays at one tensor.
+asynchronous while the peak extra RAM stays at one tensor. ``move_storage(place)`` re-homes the
+stacked tensors the same way (huge pages on a CPU device).
 """
 
 from __future__ import annotations
 
 import functools
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -78,6 +79,13 @@ class ExpertStore:
     def stacked(self, layer: int) -> dict[str, torch.Tensor]:
         """The stacked host tensors of one layer, ``{name: [n_experts, ...]}`` (not copies)."""
         return dict(self._layers[layer])
+
+    def move_storage(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Every stacked tensor replaced, one at a time, by ``place(tensor)`` (the same values in
+        other memory, e.g. ``huge_pages.rehome``); ``expert`` views taken before keep the old ones."""
+        for params in self._layers.values():
+            for name in params:
+                params[name] = place(params[name])
 
 
 def expert_nbytes(param_shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> int:

@@ -378,7 +378,7 @@ def test_schema_keeps_the_published_key_names():
         offload.transfer_timeout_s offload.verify_copies
         speculation.draft.group_size speculation.predictor.name
         speculation.predictor.options speculation.governor.name speculation.governor.k
-        speculation.governor.options compile allow_pickle trust_remote_code check_lossless""".split()
+        speculation.governor.options compile huge_pages allow_pickle trust_remote_code check_lossless""".split()
     assert recipe_keys() == published
 
 
