@@ -24,7 +24,7 @@ Contract:
   link). A transfer whose copy failed, or (with ``verify_copies``) whose bytes arrived wrong
   (checksums of the slot against the host store), is reloaded once by a direct copy from the store
   (``stats.reloads``) with one warning per run; a reload that is wrong too, or more than
-  ``MAX_RELOADS`` of them in one cache's life, is a ``SpecterError`` naming the link.
+  ``copy_repair.MAX_RELOADS`` of them in one cache's life, is a ``SpecterError`` naming the link.
 
 Counting (``CacheStats``), per distinct key of each ``acquire``: a *hit* needed no new transfer
 (the key was READY or LOADING), a *miss* started a demand load. ``prefetch_used`` counts prefetched
@@ -37,21 +37,20 @@ start and is not counted.
 from __future__ import annotations
 
 import enum
-import warnings
 from typing import Iterable, Sequence
 
 import torch
 
 from specter.errors import BudgetError, SpecterError
-from specter.memory.huge_pages import empty as huge_pages_empty
+from specter.memory.huge_pages import zeros as huge_pages_zeros
 from specter.memory.stats import CacheStats
 from specter.plugins import call_plugin
-from specter.memory.link import Link, Transfer, TransferTimeout, checksum, copy_all, wait_for
+from specter.memory.copy_repair import CopyRepair
+from specter.memory.link import Link, Transfer, TransferTimeout, copy_all, wait_for
 from specter.policies.base import CachePolicy, ExpertKey
 from specter.memory.store import ExpertStore
 
 
-MAX_RELOADS = 16  # faulty copies one cache repairs from its store before calling the link broken
 
 
 class SlotState(enum.Enum):
@@ -81,12 +80,11 @@ class ExpertCache:
         self.policy = policy
         self.transfer_timeout_s = transfer_timeout_s
         self.verify_copies = verify_copies
-        self.total_reloads = 0
-        self._checksums: dict[ExpertKey, tuple[int, ...]] = {}
+        self._repair = CopyRepair(store)
         self.stats = CacheStats()
         on_huge_pages = huge_pages and self.device.type == "cpu"
         self.slots: dict[str, torch.Tensor] = {
-            name: huge_pages_empty((n_slots, *shape), store.dtype) if on_huge_pages
+            name: huge_pages_zeros((n_slots, *shape), store.dtype) if on_huge_pages
             else torch.empty((n_slots, *shape), dtype=store.dtype, device=self.device)
             for name, shape in store.param_shapes.items()
         }
@@ -390,22 +388,12 @@ class ExpertCache:
         key = self._key_in[slot]
         assert key is not None
         self.stats.reloads += 1
-        self.total_reloads += 1
-        if self.total_reloads > MAX_RELOADS:
-            raise SpecterError(f"{why}; {MAX_RELOADS} reloads already, the link is broken")
-        if self.total_reloads == 1:
-            warnings.warn(f"{why}; reloaded it directly from the store (further faults are counted in the report "
-                          f"as cache reloads)", RuntimeWarning, stacklevel=2)
-        copy_all(self.slot_views(slot), self.store.expert(*key))
-        if self.verify_copies and not self._intact(slot):
-            raise SpecterError(f"{why}; the reload from the store is wrong too")
+        self._repair.reload(self.slot_views(slot), key, why, self.verify_copies)
 
     def _intact(self, slot: int) -> bool:
         key = self._key_in[slot]
         assert key is not None
-        if key not in self._checksums:
-            self._checksums[key] = checksum(self.store.expert(*key))
-        return checksum(self.slot_views(slot)) == self._checksums[key]
+        return self._repair.intact(self.slot_views(slot), key)
 
     def _mark_ready(self, slot: int) -> None:
         key = self._key_in[slot]

@@ -3,13 +3,14 @@
 Contract:
 - ``supported() -> bool``: Linux with transparent huge pages enabled as ``always`` or ``madvise``
   (``/sys/kernel/mm/transparent_hugepage/enabled``) and Python's ``mmap.MADV_HUGEPAGE``.
-- ``empty(shape, dtype) -> Tensor``: an uninitialised CPU tensor. When supported and at least
+- ``zeros(shape, dtype) -> Tensor``: a zero-filled CPU tensor. When supported and at least
   ``MIN_BYTES``, its memory is a fresh private anonymous mapping, starts on a 2 MiB boundary and
-  is advised ``MADV_HUGEPAGE`` before anything touches it, so the kernel backs it with 2 MiB pages
-  as it is first written (with ``madvise`` defragmentation it may compact memory to find them);
-  the tensor keeps its mapping (up to 2 MiB larger) alive. Otherwise ``torch.empty``.
-  ``is_huge(tensor)``: whether its storage came from ``empty``'s mappings.
-- ``rehome(tensor) -> Tensor``: the tensor's values in ``empty``'s memory; the tensor itself when
+  is advised ``MADV_HUGEPAGE`` before it is first written, so the kernel backs it with 2 MiB pages
+  (with ``madvise`` defragmentation it may compact memory to find them); the zero fill faults
+  every page in here, not in a timed step later. The tensor keeps its mapping (up to 2 MiB
+  larger) alive. Otherwise ``torch.zeros``. ``is_huge(tensor)``: whether its storage came from
+  ``zeros``' mappings.
+- ``rehome(tensor) -> Tensor``: the tensor's values in ``zeros``' memory; the tensor itself when
   it is not a contiguous CPU tensor of at least ``MIN_BYTES``, already there, or not supported.
 - ``rehome_module(module) -> int``: every parameter of the module that ``rehome`` would move gets
   its ``.data`` swapped for the copy (a tied parameter is one object: it stays tied); the bytes
@@ -34,7 +35,7 @@ from torch import Tensor, nn
 HUGE_PAGE = 2 << 20
 MIN_BYTES = HUGE_PAGE  # smaller tensors span at most a page or two: nothing to gain
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-_live: dict[int, int] = {}  # start address -> length of each mapping ``empty`` made and still alive
+_live: dict[int, int] = {}  # start address -> length of each mapping ``zeros`` made and still alive
 
 
 class _Mapping(mmap.mmap):
@@ -52,10 +53,16 @@ def supported() -> bool:
     return "[always]" in setting or "[madvise]" in setting
 
 
-def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
+def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
+    mapped = _mapped(shape, dtype)
+    return torch.zeros(shape, dtype=dtype) if mapped is None else mapped.zero_()
+
+
+def _mapped(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor | None:
+    """An unwritten tensor on a fresh huge-page mapping, or None (too small, not supported)."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes < MIN_BYTES or not supported():
-        return torch.empty(shape, dtype=dtype)
+        return None
     mapping = _Mapping(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until its last view dies
     start = raw.data_ptr()
@@ -74,9 +81,9 @@ def rehome(tensor: Tensor) -> Tensor:
     if (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.nbytes < MIN_BYTES
             or is_huge(tensor) or not supported()):
         return tensor
-    home = empty(tensor.shape, tensor.dtype)
-    home.copy_(tensor)
-    return home
+    home = _mapped(tensor.shape, tensor.dtype)
+    assert home is not None
+    return home.copy_(tensor)
 
 
 def rehome_module(module: nn.Module) -> int:

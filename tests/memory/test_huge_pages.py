@@ -20,8 +20,9 @@ needs_thp = pytest.mark.skipif(not huge_pages.supported(), reason="transparent h
 
 @needs_thp
 def test_a_large_tensor_starts_on_a_huge_page_and_its_mapping_lives_while_a_view_does() -> None:
-    tensor = huge_pages.empty((3, MIB), torch.float32)  # 12 MiB
+    tensor = huge_pages.zeros((3, MIB), torch.float32)  # 12 MiB
     assert tensor.shape == (3, MIB) and tensor.dtype == torch.float32 and tensor.is_contiguous()
+    assert not bool(tensor.any())
     assert tensor.data_ptr() % huge_pages.HUGE_PAGE == 0 and huge_pages.is_huge(tensor)
     tensor.fill_(2.0)
     row = tensor[1]
@@ -35,10 +36,10 @@ def test_a_large_tensor_starts_on_a_huge_page_and_its_mapping_lives_while_a_view
 
 
 def test_small_tensors_and_unsupported_machines_get_ordinary_memory(monkeypatch) -> None:
-    small = huge_pages.empty((4, 4), torch.float32)
+    small = huge_pages.zeros((4, 4), torch.float32)
     assert small.shape == (4, 4) and not huge_pages.is_huge(small)
     monkeypatch.setattr(huge_pages, "supported", lambda: False)
-    large = huge_pages.empty((MIB,), torch.float32)
+    large = huge_pages.zeros((MIB,), torch.float32)
     assert not huge_pages.is_huge(large)
     original = torch.randn(MIB)
     assert huge_pages.rehome(original) is original
