@@ -88,6 +88,7 @@ class ExpertCache:
             else torch.empty((n_slots, *shape), dtype=store.dtype, device=self.device)
             for name, shape in store.param_shapes.items()
         }
+        self._slot_views = [{name: buffer[slot] for name, buffer in self.slots.items()} for slot in range(n_slots)]
         self._row = {layer: row for row, layer in enumerate(store.layers)}
         self.slot_table = torch.full(
             (len(store.layers), store.n_experts), -1, dtype=torch.long, device=self.device
@@ -151,7 +152,7 @@ class ExpertCache:
         return frozenset(self._protected)
 
     def slot_views(self, slot: int) -> dict[str, torch.Tensor]:
-        return {name: buffer[slot] for name, buffer in self.slots.items()}
+        return dict(self._slot_views[slot])
 
     # ----- the step's side ---------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ class ExpertStore:
             self._layers[layer] = params
         assert reference is not None
         self._n_experts, self._param_shapes, self._dtype = reference
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # expert() views, made once each
         self.pinned = False
         if pin and torch.cuda.is_available():
             for params in self._layers.values():
@@ -73,8 +74,12 @@ class ExpertStore:
         return self.expert_bytes * self._n_experts * len(self._layers)
 
     def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        check_key(self.layers, self._n_experts, layer, expert)
-        return {name: stacked[expert] for name, stacked in self._layers[layer].items()}
+        views = self._views.get((layer, expert))
+        if views is None:
+            check_key(self.layers, self._n_experts, layer, expert)
+            views = {name: stacked[expert] for name, stacked in self._layers[layer].items()}
+            self._views[(layer, expert)] = views
+        return dict(views)
 
     def stacked(self, layer: int) -> dict[str, torch.Tensor]:
         """The stacked host tensors of one layer, ``{name: [n_experts, ...]}`` (not copies)."""
@@ -86,6 +91,7 @@ class ExpertStore:
         for params in self._layers.values():
             for name in params:
                 params[name] = place(params[name])
+        self._views.clear()
 
 
 def expert_nbytes(param_shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> int:
