@@ -6,9 +6,10 @@ checkpoint and the tokenizer, and asks the plugin registry for the recipe's engi
 each built on first request (the dense model on the device, the offloaded model with its host
 store, the cache policy, the link and the expert cache sized by ``offload.expert_budget``, the
 predictor and the governor). With ``huge_pages`` on a CPU device where Linux allows them, the
-models' large weights, the host store and the cache slots lie on 2 MiB pages. With ``compile: true`` the engine gets its compiled steps here, so
-decode timings exclude compilation; without, a ``specter`` engine gets its lean eager draft step
-where the model allows (``specter.compile.lean_draft``). Nothing below this module imports it;
+models' large weights, the host store, the cache slots (and ``specter``'s INT4 draft) lie on 2 MiB
+pages. With ``compile: true`` the engine gets its compiled steps here, so decode timings exclude
+compilation; without, a ``specter`` engine gets its lean eager draft step where the model allows
+(``specter.compile.lean_draft``). Nothing below this module imports it;
 entry points (``specter.api``, the CLIs) call it.
 """
 

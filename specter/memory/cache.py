@@ -51,8 +51,6 @@ from specter.policies.base import CachePolicy, ExpertKey
 from specter.memory.store import ExpertStore
 
 
-
-
 class SlotState(enum.Enum):
     FREE = "free"
     LOADING = "loading"
