@@ -96,3 +96,27 @@ def test_the_cache_slots_the_store_and_the_draft_take_huge_pages_when_asked() ->
     assert huge_pages.is_huge(draft.up_packed) and huge_pages.is_huge(draft.down_packed)
     assert draft.up[5].packed.data_ptr() == draft.up_packed[5].data_ptr()
     assert torch.equal(draft(x, ids, weights), before)
+
+
+@needs_thp
+def test_an_engine_built_with_huge_pages_keeps_its_tokens_and_places_its_buffers(tiny_mixtral, monkeypatch) -> None:
+    import specter
+    from specter.api import run_recipe
+
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 4096)  # the tiny model's tensors are a few KiB
+    base = {"model": str(tiny_mixtral), "engine": "specter", "prompts": ["def f(x):\n"], "max_new_tokens": 6,
+            "threads": 1, "offload": {"link": {"kind": "local"}, "expert_budget": 0.5}}
+    assert run_recipe({**base, "huge_pages": True}).report["lossless"] is True
+    on = specter.load({**base, "huge_pages": True})
+    off = specter.load({**base, "huge_pages": False})
+    try:
+        assert all(huge_pages.is_huge(t) for t in on.cache.slots.values())
+        assert all(huge_pages.is_huge(t) for layer in on.store.layers for t in on.store.stacked(layer).values())
+        assert all(huge_pages.is_huge(d.up_packed) for d in on.draft.values())
+        assert huge_pages.is_huge(on.model.get_input_embeddings().weight)
+        assert not any(huge_pages.is_huge(t) for t in off.cache.slots.values())
+        assert not any(huge_pages.is_huge(d.up_packed) for d in off.draft.values())
+        assert not huge_pages.is_huge(off.model.get_input_embeddings().weight)
+    finally:
+        on.close()
+        off.close()
