@@ -35,7 +35,7 @@ def specter_engine(parts):
 
     recipe, layers, store = parts.recipe, parts.offloaded.layers, parts.offloaded.store
     spec = recipe.speculation
-    draft = build_draft(layers, store, parts.device, spec.draft.group_size, huge_pages=recipe.huge_pages)
+    draft = build_draft(layers, store, parts.device, spec.draft.group_size, huge_pages=parts.huge_pages)
     return SpecterEngine(*parts.offloaded, predictor=parts.predictor(), governor=parts.governor(), draft=draft,
                          plain_predictor=parts.predictor("router-lookahead"),
                          prefetch_mode=recipe.offload.prefetch)

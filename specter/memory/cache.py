@@ -3,12 +3,12 @@
 Contract:
 - Device memory is allocated once: ``slots[name]`` is ``[n_slots, *per_expert_shape]`` for every
   parameter name of the store. Contents change, shapes never; ``bytes == n_slots * expert_bytes``.
-  With ``huge_pages`` on a CPU device the slots lie on 2 MiB pages (``specter.memory.huge_pages``).
+  With ``huge_pages`` on a CPU device the slots lie on 2 MiB pages (``specter.memory.slots``).
 - A slot is FREE, LOADING (a ``Transfer`` is in flight into it) or READY. A key ``(layer, expert)``
   occupies at most one slot and a slot holds at most one key.
 - ``slot_table`` (``[len(store.layers), n_experts]`` long, on the device, row = position of the
-  layer in ``store.layers``) holds the slot of every READY key and -1 elsewhere, so compiled code
-  can read slots without the host.
+  layer in ``store.layers``; ``specter.memory.slots.SlotTable``) holds the slot of every READY key
+  and -1 elsewhere, so compiled code can read slots without the host.
 - ``acquire(layer, experts)`` returns the slots of those experts, in order, READY and pinned: every
   copy into them is complete, and no eviction or prefetch touches them until ``release``
   (``wait=False``: pinned, their copies started, some LOADING: see ``await_any``). Misses
@@ -42,11 +42,11 @@ from typing import Iterable, Sequence
 import torch
 
 from specter.errors import BudgetError, SpecterError
-from specter.memory.huge_pages import zeros as huge_pages_zeros
 from specter.memory.stats import CacheStats
 from specter.plugins import call_plugin
 from specter.memory.copy_repair import CopyRepair
 from specter.memory.link import Link, Transfer, TransferTimeout, copy_all, wait_for
+from specter.memory.slots import SlotTable, allocate_slots
 from specter.policies.base import CachePolicy, ExpertKey
 from specter.memory.store import ExpertStore
 
@@ -80,20 +80,10 @@ class ExpertCache:
         self.verify_copies = verify_copies
         self._repair = CopyRepair(store)
         self.stats = CacheStats()
-        on_huge_pages = huge_pages and self.device.type == "cpu"
-        self.slots: dict[str, torch.Tensor] = {
-            name: huge_pages_zeros((n_slots, *shape), store.dtype) if on_huge_pages
-            else torch.empty((n_slots, *shape), dtype=store.dtype, device=self.device)
-            for name, shape in store.param_shapes.items()
-        }
+        self.slots = allocate_slots(store, n_slots, self.device, huge_pages)
         self._slot_views = [{name: buffer[slot] for name, buffer in self.slots.items()} for slot in range(n_slots)]
-        self._row = {layer: row for row, layer in enumerate(store.layers)}
-        self.slot_table = torch.full(
-            (len(store.layers), store.n_experts), -1, dtype=torch.long, device=self.device
-        )
-        # on a CPU the table is written through a NumPy view of its memory (a tensor item write costs
-        # 2-30 us, one a load and one an eviction on the verification's critical path)
-        self._table_host = self.slot_table.numpy() if self.slot_table.device.type == "cpu" else None
+        self._table = SlotTable(store.layers, store.n_experts, self.device)
+        self.slot_table = self._table.tensor
         self._key_in: list[ExpertKey | None] = [None] * n_slots
         self._state: list[SlotState] = [SlotState.FREE] * n_slots
         self._pins: list[int] = [0] * n_slots
@@ -288,7 +278,7 @@ class ExpertCache:
     # ----- internals ---------------------------------------------------------------------------
 
     def _key(self, layer: int, expert: int) -> ExpertKey:
-        if layer not in self._row:
+        if layer not in self._table.rows:
             raise SpecterError(f"layer {layer} is not an MoE layer of this model (have {self.store.layers})")
         if not 0 <= expert < self.store.n_experts:
             raise SpecterError(f"expert {expert} out of range 0..{self.store.n_experts - 1}")
@@ -335,7 +325,7 @@ class ExpertCache:
         assert self._pins[slot] == 0 and self._state[slot] is SlotState.READY
         self._key_in[slot] = None
         self._state[slot] = SlotState.FREE
-        self._set_table(victim, -1)
+        self._table.set(victim, -1)
         if counted:
             self.stats.evictions += 1
             if victim in self._unused_prefetches:
@@ -398,10 +388,4 @@ class ExpertCache:
         key = self._key_in[slot]
         assert key is not None
         self._state[slot] = SlotState.READY
-        self._set_table(key, slot)
-
-    def _set_table(self, key: ExpertKey, slot: int) -> None:
-        if self._table_host is not None:
-            self._table_host[self._row[key[0]], key[1]] = slot
-        else:
-            self.slot_table[self._row[key[0]], key[1]] = slot
+        self._table.set(key, slot)

@@ -238,6 +238,7 @@ class PrefetchScheduler:
         too_late = self._count_late(layer)  # the layer's own misses load on demand
         self.stats.not_admitted += too_late
         self._frontier = layer
+        self._protect_window()
         self._stream(reserve=too_late)
 
     def computed(self, layer: int, experts: Sequence[int]) -> None:
@@ -251,14 +252,11 @@ class PrefetchScheduler:
         # predictions and frontier unchanged since the window was computed: the keys ahead keep
         # their order, less the ones done (no re-sort)
         self._set_window([k for k in self._ahead if k not in done])
-        self._stream(reserve=0, window_current=True)
+        self._stream(reserve=0)
 
-    def _stream(self, reserve: int, window_current: bool = False) -> None:
-        """The frontier or the keys done moved: recompute the window (unless ``window_current``)
-        and issue its missing keys into whatever slots are free now, leaving ``reserve`` spare for
-        demand loads."""
-        if not window_current:
-            self._protect_window()
+    def _stream(self, reserve: int) -> None:
+        """The window moved (frontier or keys done): issue its missing keys into whatever slots are
+        free now, leaving ``reserve`` spare for demand loads."""
         missing = self._missing()
         if missing:
             self._send_hints()
