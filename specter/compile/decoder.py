@@ -37,10 +37,11 @@ Contract:
     ``lean_step`` is set, on a CPU with the native kernels, else compiled attention + the eager
     grouped INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft
     steps between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path the caller judges.
-- After a fused step without host calls (draft steps; cache target steps under CUDA graphs) the
-  host replays per layer what the eager path does inside the step: observers get (layer, expert
-  input, top_k_index, top_k_weights, mode); a cache target step's ``cache.acquire`` + ``release``
-  keep the cache policy and counters as eagerly. Draft predictions reach the scheduler per step.
+- After a fused step without host calls (draft and cache target steps under CUDA graphs) the
+  host replays per layer what the eager path does inside it: observers get (layer, expert input,
+  top_k_index, top_k_weights, mode); a cache target step's ``cache.acquire`` + ``release`` keep
+  the cache policy and counters as eagerly. On a CPU the draft graph tells the host each layer's
+  routing as it runs (``host_layer.layer_routed``): predictions reach the scheduler per layer.
 - Shapes: K/V buffers [1, n_kv, max_len, head_dim] per layer are allocated once and shared by
   every ``StaticKV``. Attention reads the first ``span`` positions, ``span`` the length rounded
   up to ``span_step`` and a dynamic dimension (``span_step=None``, the default on CUDA: always
@@ -176,7 +177,8 @@ class CompiledDecoder:
 
     def set_draft(self, draft: dict[int, object]) -> None:
         """The INT4 draft experts by decoder layer (the speculative engine's)."""
-        self._draft_experts = CompiledDraftExperts([draft[layer] for layer in range(len(self.layers))])
+        self._draft_experts = CompiledDraftExperts([draft[layer] for layer in range(len(self.layers))],
+                                                   host=self.layer_host)
         if self.device.type == "cuda":
             _mark_static(t for d in self._draft_experts.draft
                          for t in (d.up_packed, d.up_scales, d.down_packed, d.down_scales))
@@ -266,8 +268,12 @@ class CompiledDecoder:
             return tokens, torch.arange(start, start + 1, device=self.device), self._span(start + 1)
 
         def fused() -> Tensor:
-            out = self._call_fused(self._draft_step, *graph_inputs(), kv)
-            self._replay(out, "draft")
+            if self.layer_host is None:
+                out = self._call_fused(self._draft_step, *graph_inputs(), kv)
+                self._replay(out, "draft")
+            else:  # the graph tells the host each layer's routing as it runs
+                with self.layer_host.live():
+                    out = self._call_fused(self._draft_step, *graph_inputs(), kv)
             return out.logits
 
         def layered() -> Tensor:  # the lean step, else compiled attention with the INT4 experts eagerly
@@ -281,12 +287,17 @@ class CompiledDecoder:
         return self._run_chosen(DRAFT_KEY, fused, layered)
 
     def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor]) -> Tensor:
-        """The chooser's path for ``key``, timed less its transfer waits: with host layers both paths
-        wait for the copies of the experts they read (the waves of the layered path hide some behind
-        compute: ``ExpertRuntime.overlap_s``, counted as wait); under CUDA graphs a fused step drains
-        every copy in flight first: its wait is its own."""
+        """The chooser's path for ``key``, timed less its transfer waits where both paths wait
+        alike: with a host that computes the experts both compute a layer in waves as its copies
+        arrive (the waves hide some wait behind compute: ``ExpertRuntime.overlap_s``, counted as
+        wait). Otherwise a path's wait is its own: a fused step acquires a layer's experts at once
+        and frees their slots only at the next layer, so a streaming round's later experts start
+        copying later than between the layered path's waves (bundled model, 25% on 1 GB/s: hit rate
+        0.71-0.78 against 0.98, its waits hidden from the chooser); under CUDA graphs a fused step
+        drains every copy in flight first."""
         hidden = (lambda: self.runtime.overlap_s) if self.runtime is not None else (lambda: 0.0)
-        waited = (lambda: self.cache.stats.transfer_wait_s + hidden()) if self.host_layers else (lambda: 0.0)
+        alike = self.layer_host is not None and self.layer_host.computes
+        waited = (lambda: self.cache.stats.transfer_wait_s + hidden()) if alike else (lambda: 0.0)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
         return self.chooser.run(key, fused, layered, waited, sync)
 

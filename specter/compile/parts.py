@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from specter.compile.host_layer import layer_experts, layer_slots
+from specter.compile.host_layer import layer_experts, layer_routed, layer_slots
 from specter.kernels import native_rows
 from specter.kernels.grouped_experts import native_grouped_experts
 from specter.kernels.slot_experts import gather_experts, slots_for
@@ -83,12 +83,17 @@ class SlotExperts:
 
 
 class CompiledDraftExperts:
-    """The resident INT4 draft experts (``Int4Experts.forward_static``)."""
+    """The resident INT4 draft experts (``Int4Experts.forward_static``); with a ``host``
+    (``specter.compile.host_layer.LayerHost``), each layer's routing goes to the host first
+    (``layer_routed``)."""
 
-    def __init__(self, draft: list) -> None:
+    def __init__(self, draft: list, host=None) -> None:
         self.draft = draft
+        self.host_handle = host.draft_handle if host is not None else None
 
     def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+        if self.host_handle is not None:
+            x = layer_routed(x, top_k_index, top_k_weights, row, self.host_handle)
         return self.draft[row].forward_static(x, top_k_index, top_k_weights), None
 
 
@@ -102,8 +107,12 @@ class PathChooser:
     depends on the cache, the link and the expert size. Each width tries both paths ``TRIALS``
     times, then takes the one with the lower median of its last ``WINDOW`` step times (a median:
     one slow early step, e.g. beside a burst of copies, must not hide the faster path until the
-    next recheck), trying the other path again every ``RECHECK`` steps of that width (the
-    layered path first: it is the eager engine's own). ``trials`` counts
+    next recheck), trying the other path again after ``RECHECK`` steps of that width, then after
+    twice as many each time the same path stays ahead (up to ``RECHECK_MAX``), or at the next step
+    when the recheck's own time beat the path ahead (so its median can move). The layered
+    path is the eager engine's own: it goes first, and the fused one must be ``MARGIN`` faster to
+    replace it (where the two measure alike, rounds judged on noise flipped between them, each
+    flip a trial that costs on a slow link; bundled model, 25% on 1 GB/s). ``trials`` counts
     the choices of a path the evidence so far says is the slower one (or not yet measured while
     the other is), so a caller timing a round can tell a trial's cost from the path's.
     ``begin_round(key)`` instead holds one choice for every step of ``key``
@@ -114,6 +123,8 @@ class PathChooser:
     transfer wait it added to ``waited_s()``."""
 
     TRIALS, RECHECK, WINDOW = 3, 16, 5
+    MARGIN = 0.05  # the fused path replaces the layered one when at least this much faster
+    RECHECK_MAX = 256  # a recheck that keeps the same path doubles the steps to the next, up to this
 
     def __init__(self) -> None:
         self.trials = 0  # choices of the path known (so far) to be the slower one
@@ -122,6 +133,8 @@ class PathChooser:
         self._recent: dict[tuple[int, str], collections.deque] = {}
         self.steps: dict[int, int] = {}
         self._held: dict[int, str] = {}
+        self._next_recheck: dict[int, tuple[int, int, str]] = {}  # width -> (step, interval, best then)
+        self._rechecking: dict[int, str] = {}  # width -> the path a recheck chose, until observed
 
     def begin_round(self, key: int) -> None:
         self._held[key] = self.choose(key)
@@ -141,17 +154,36 @@ class PathChooser:
         if min(fused, layered) < self.TRIALS:
             path = "layered" if layered <= fused else "fused"
         else:
-            best = min(("fused", "layered"), key=lambda path: self.seconds[(width, path)])
-            path = ("layered" if best == "fused" else "fused") if step % self.RECHECK == 0 else best
+            best = "fused" if self._faster(width, "fused") else "layered"
+            due, interval, before = self._next_recheck.get(width, (self.RECHECK, self.RECHECK, best))
+            if best != before:  # the evidence changed sides: recheck as often as at first
+                due, interval = step + self.RECHECK, self.RECHECK
+            path = best
+            if step >= due:
+                path = self._rechecking[width] = "layered" if best == "fused" else "fused"
+                interval = min(2 * interval, self.RECHECK_MAX) if best == before else self.RECHECK
+                due = step + interval
+            self._next_recheck[width] = (due, interval, best)
         self.trials += self._known_slower(width, path)
         return path
 
-    def _known_slower(self, width: int, path: str) -> bool:
-        mine = self.seconds.get((width, path))
+    def _faster(self, width: int, path: str, mine: float | None = None) -> bool:
+        """Whether ``path`` (its median, or ``mine``) measured faster than the other's median, by
+        ``MARGIN`` for the fused path."""
+        mine = self.seconds.get((width, path)) if mine is None else mine
         theirs = self.seconds.get((width, "layered" if path == "fused" else "fused"))
-        return theirs is not None and (mine is None or mine > theirs)
+        if mine is None or theirs is None:
+            return mine is not None
+        return mine < theirs * (1 - self.MARGIN) if path == "fused" else mine <= theirs * (1 - self.MARGIN) ** -1
+
+    def _known_slower(self, width: int, path: str) -> bool:
+        other = "layered" if path == "fused" else "fused"
+        return (width, other) in self.seconds and not self._faster(width, path)
 
     def observe(self, width: int, path: str, seconds: float) -> None:
+        if self._rechecking.pop(width, None) == path and self._faster(width, path, seconds):
+            due, interval, best = self._next_recheck[width]  # the recheck beat the path ahead: again at once
+            self._next_recheck[width] = (self.steps[width] + 1, 1, best)
         key = (width, path)
         self.counts[key] = self.counts.get(key, 0) + 1
         recent = self._recent.setdefault(key, collections.deque(maxlen=self.WINDOW))

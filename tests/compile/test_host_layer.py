@@ -32,9 +32,18 @@ def call(op: str, host: Host, x, index, weights, row: int):
     try:
         if op == "layer_slots":
             return host_layer.layer_slots(x, index, weights, row, handle, 6)
-        return host_layer.layer_experts(x, index, weights, row, handle)
+        return getattr(host_layer, op)(x, index, weights, row, handle)
     finally:
         host_layer.unregister(int(handle))
+
+
+def test_the_draft_routing_op_tells_the_host_and_returns_a_copy_of_its_input():
+    x, index, weights = torch.randn(1, 4), torch.tensor([[2, 0]]), torch.rand(1, 2)
+    host = Host(None)
+    out = call("layer_routed", host, x, index, weights, 3)
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+    (seen_row, seen_x, seen_index, _), = host.seen
+    assert seen_row == 3 and torch.equal(seen_x, x) and torch.equal(seen_index, index)
 
 
 @pytest.mark.parametrize("op", ["layer_slots", "layer_experts"])
@@ -158,3 +167,41 @@ def test_a_computing_host_verifies_rounds_wider_than_the_cache_in_the_fused_step
     assert [o["token_ids"] for o in report["outputs"]] == expected
     assert max(needed) > capacity  # a fused verification's layer needed more experts than the cache holds
     assert decoder.stats.fused_misses == 0
+
+
+def test_a_fused_draft_step_tells_the_observers_each_layer_while_it_runs(checkpoint, monkeypatch):
+    recipe = {"model": checkpoint, "engine": "specter", "max_new_tokens": 10, "threads": 1, "compile": True,
+              "offload": {"link": {"kind": "local"}, "expert_budget": 0.5},
+              "speculation": {"governor": {"name": "fixed", "k": 3}}}
+    expected = specter.load({**recipe, "engine": "resident", "compile": False}).generate(PROMPTS).token_ids
+    engine = specter.load(recipe)
+    decoder = engine.compiled
+    monkeypatch.setattr(decoder.chooser, "held", lambda key: "fused")  # every draft step runs the fused graph
+    replay = decoder._replay
+    monkeypatch.setattr(decoder, "_replay", lambda out, mode: pytest.fail("a draft step was replayed after it ran")
+                        if mode == "draft" else replay(out, mode))
+    seen: list = []
+    engine.runtime.observers.append(
+        lambda layer, hidden, index, weights, mode: seen.append((layer, decoder.layer_host._live)) if mode == "draft" else None)
+    before = decoder.snapshot()
+    report = engine.generate(PROMPTS).report
+    engine.close()
+    assert [o["token_ids"] for o in report["outputs"]] == expected
+    steps = decoder.stats.draft_steps - before.draft_steps
+    assert steps > 0 and seen == [(0, True), (1, True)] * steps  # every layer, in order, inside the step
+
+
+@pytest.mark.parametrize("computes", [False, True])
+def test_the_chooser_discounts_transfer_waits_only_where_both_paths_wait_alike(checkpoint, monkeypatch, computes):
+    monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
+    recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 2, "threads": 1, "compile": True,
+              "offload": {"link": {"kind": "local"}, "expert_budget": 0.5}}
+    engine = specter.load(recipe)
+    decoder, passed = engine.compiled, {}
+    monkeypatch.setattr(decoder.chooser, "run", lambda key, fused, layered, waited_s, sync: passed.update(w=waited_s))
+    decoder._run_chosen(5, lambda: None, lambda: None)
+    before = passed["w"]()
+    engine.cache.stats.transfer_wait_s += 0.5
+    after = passed["w"]()
+    engine.close()
+    assert after - before == pytest.approx(0.5 if computes else 0.0)

@@ -93,3 +93,45 @@ def test_run_judges_a_path_by_its_time_less_the_transfer_wait_it_added():
     plain = PathChooser()
     ran = [plain.run(5, fused, layered) for _ in range(2 * PathChooser.TRIALS + 2)]
     assert ran[-2:] == ["layered", "layered"]
+
+
+def test_the_fused_path_replaces_the_layered_one_only_when_faster_by_the_margin():
+    for fused_seconds, expected in ((0.0099, "layered"), (0.0090, "fused")):  # 1% and 10% faster than 0.010
+        chooser = PathChooser()
+        for _ in range(2 * PathChooser.TRIALS):
+            path = chooser.choose(5)
+            chooser.observe(5, path, fused_seconds if path == "fused" else 0.010)
+        trials = chooser.trials
+        assert chooser.choose(5) == expected
+        assert chooser.trials == trials  # the path the evidence favours is no trial
+
+
+def test_rechecks_of_a_path_that_keeps_losing_come_ever_more_rarely():
+    chooser = PathChooser()
+    seconds = {"fused": 0.030, "layered": 0.015}
+    steps = 2 * PathChooser.TRIALS + 240
+    fused_at = []
+    for step in range(1, steps + 1):
+        path = chooser.choose(5)
+        chooser.observe(5, path, seconds[path])
+        if path == "fused" and step > 2 * PathChooser.TRIALS:
+            fused_at.append(step)
+    recheck = PathChooser.RECHECK
+    assert fused_at == [recheck, 3 * recheck, 7 * recheck, 15 * recheck]  # 16, then 32, 64, 128 steps later
+
+
+def test_a_recheck_that_finds_the_other_path_faster_switches_and_rechecks_as_often_as_at_first():
+    chooser = PathChooser()
+    seconds = {"fused": 0.030, "layered": 0.015}
+    chosen = []
+    for step in range(1, 80):
+        if step == 2 * PathChooser.TRIALS + 1:
+            seconds = {"fused": 0.005, "layered": 0.015}  # the fused path became the faster one
+        path = chooser.choose(5)
+        chooser.observe(5, path, seconds[path])
+        chosen.append(path)
+    first = chosen.index("fused", 2 * PathChooser.TRIALS)
+    assert first == PathChooser.RECHECK - 1  # the first recheck, at step 16
+    # the median of the fused path's last WINDOW steps moves once enough fast ones come in; from
+    # then on fused holds, with rechecks of the layered path again after RECHECK steps
+    assert chosen[-5:] == ["fused"] * 5
