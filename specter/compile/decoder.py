@@ -1,11 +1,11 @@
 """Compile-native decoding: the model's step functions as plain functions compiled once.
 
 Contract:
-- ``unsupported_reason(model) -> str | None`` (from ``specter.compile.decoder_math``, which holds the
-  model math these graphs trace): why a model cannot be compiled here (None: it can).
-  Supported: every decoder layer is llama-style attention (optional biases, optional per-head q/k
-  RMSNorm, default RoPE, optional sliding window) followed by gated routed experts ([out, in], no
-  bias) behind a softmax top-k router: Mixtral, and Qwen3-MoE without dense layers.
+- ``unsupported_reason(model) -> str | None`` (``specter.compile.decoder_math``, the model math
+  the graphs trace): why a model cannot be compiled here (None: it can). Supported: llama-style
+  attention (optional biases, per-head q/k RMSNorm, default RoPE, sliding window) then gated
+  routed experts ([out, in], no bias) behind a softmax top-k router in every decoder layer:
+  Mixtral, and Qwen3-MoE without dense layers.
 - ``CompiledDecoder(model, experts="resident" | "cache", runtime=None, layered=False)``: the
   model's forward written against its weights (not through transformers' modules), experts from
   the layers' own stacked tensors (``resident``) or from an ``ExpertRuntime``'s device cache and,
@@ -37,18 +37,17 @@ Contract:
     ``lean_step`` is set, on a CPU with the native kernels, else compiled attention + the eager
     grouped INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft
     steps between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path the caller judges.
-- After a fused step without host calls (draft and cache target steps under CUDA graphs) the
-  host replays per layer what the eager path does inside it: observers get (layer, expert input,
+- After a fused step without host calls (draft and cache target steps under CUDA graphs) the host
+  replays per layer what the eager path does inside it: observers get (layer, expert input,
   top_k_index, top_k_weights, mode); a cache target step's ``cache.acquire`` + ``release`` keep
-  the cache policy and counters as eagerly. On a CPU the draft graph tells the host each layer's
-  routing as it runs (``host_layer.layer_routed``): predictions reach the scheduler per layer.
+  the cache's counters. On a CPU the draft graph tells the host each layer's routing as it runs.
 - Shapes: K/V buffers [1, n_kv, max_len, head_dim] per layer are allocated once and shared by
   every ``StaticKV``. Attention reads the first ``span`` positions, ``span`` the length rounded
   up to ``span_step`` and a dynamic dimension (``span_step=None``, the default on CUDA: always
   ``max_len``, as CUDA graphs want). Cache contents, k and sequence growth do not recompile.
-- ``warm_up(max_verify_tokens, draft)`` compiles every graph on scratch inputs (no observer, cache
-  or counter is touched); ``stats`` holds its seconds, steps per path, fused-step misses, and
-  the graphs compiled after warm-up (``late_graphs``, from dynamo's counters).
+- ``warm_up(max_verify_tokens, draft)`` compiles every graph on scratch inputs (touching no
+  observer, cache or counter); ``stats``: its seconds, steps per path, fused-step misses, graphs
+  compiled after warm-up (``late_graphs``, from dynamo's counters).
 - ``specter.compile.attach.compile_engine(engine)`` gives an engine its warmed-up decoder.
 On CUDA the fused graphs use CUDA graphs (inductor's ``triton.cudagraphs``; run on an H200, stop 38).
 """
@@ -77,6 +76,7 @@ from specter.compile.parts import (
 
 DEFAULT_MAX_LEN = 2048
 DRAFT_KEY = 0  # the PathChooser's key for draft steps (target steps are keyed by their width >= 1)
+POOLED_KEY = -1  # ... and for every target width where the host computes the experts (time per token)
 HostExperts = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (row, x [T,H], index [T,k], weights [T,k])
 
 
@@ -135,6 +135,7 @@ class CompiledDecoder:
         self._draft_experts: CompiledDraftExperts | None = None
         self.lean_step = None  # the eager lean draft step (lean_draft.use_lean_draft), the draft's layered path
         self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
+        self._pool_widths = True  # one choice for every width where the host computes (``_run_target``)
 
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
             weights = [self.embed, self.final_norm, self.lm_head, self.lm_head_bias, self.inv_freq]
@@ -270,7 +271,7 @@ class CompiledDecoder:
         def fused() -> Tensor:
             if self.layer_host is None:
                 out = self._call_fused(self._draft_step, *graph_inputs(), kv)
-                self._replay(out, "draft")
+                out.replay(self.runtime, self.cache, "draft")
             else:  # the graph tells the host each layer's routing as it runs
                 with self.layer_host.live():
                     out = self._call_fused(self._draft_step, *graph_inputs(), kv)
@@ -286,20 +287,17 @@ class CompiledDecoder:
             return layered() if held == "layered" else fused()
         return self._run_chosen(DRAFT_KEY, fused, layered)
 
-    def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor]) -> Tensor:
+    def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor], per: int = 1) -> Tensor:
         """The chooser's path for ``key``, timed less its transfer waits where both paths wait
-        alike: with a host that computes the experts both compute a layer in waves as its copies
-        arrive (the waves hide some wait behind compute: ``ExpertRuntime.overlap_s``, counted as
-        wait). Otherwise a path's wait is its own: a fused step acquires a layer's experts at once
-        and frees their slots only at the next layer, so a streaming round's later experts start
-        copying later than between the layered path's waves (bundled model, 25% on 1 GB/s: hit rate
-        0.71-0.78 against 0.98, its waits hidden from the chooser); under CUDA graphs a fused step
-        drains every copy in flight first."""
+        alike: both compute a layer in waves as its copies arrive when the host computes the experts
+        (the waves' hidden wait, ``ExpertRuntime.overlap_s``, counts as wait). Otherwise a path's
+        wait is its own: a fused step frees a layer's slots only at the next layer, so a streaming
+        round's later experts copy later (design notes, stop 47); under CUDA graphs it drains first."""
         hidden = (lambda: self.runtime.overlap_s) if self.runtime is not None else (lambda: 0.0)
         alike = self.layer_host is not None and self.layer_host.computes
         waited = (lambda: self.cache.stats.transfer_wait_s + hidden()) if alike else (lambda: 0.0)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
-        return self.chooser.run(key, fused, layered, waited, sync)
+        return self.chooser.run(key, fused, layered, waited, sync, per=per)
 
     def _run_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is None:
@@ -307,8 +305,12 @@ class CompiledDecoder:
         args = (tokens, positions, kv_index, kv)
         if self.layer_host is not None and not self.layer_host.fits(tokens.shape[0]):
             return self._run_layered(*args)  # a layer might need more experts than the cache holds
-        return self._run_chosen(tokens.shape[0], lambda: self._run_fused_target(*args),
-                                lambda: self._run_layered(*args))
+        width = tokens.shape[0]
+        # a computing host does the same expert work on both paths, whatever the width: one choice
+        # for all widths, judged per token (per width, a roofline's many widths each paid trials)
+        pooled = self._pool_widths and self.layer_host is not None and self.layer_host.computes
+        return self._run_chosen(POOLED_KEY if pooled else width, lambda: self._run_fused_target(*args),
+                                lambda: self._run_layered(*args), per=width if pooled else 1)
 
     def _run_fused_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is not None and not self.host_layers:
@@ -320,7 +322,7 @@ class CompiledDecoder:
             return self._run_layered(tokens, positions, kv_index, kv)
         self.stats.fused_steps += 1
         if not self.host_layers:  # with host layers the observers and the cache saw each layer live
-            self._replay(out, "target")
+            out.replay(self.runtime, self.cache, "target")
         return out.logits
 
     def _run_layered(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
@@ -342,21 +344,6 @@ class CompiledDecoder:
             h = h + host(row, x, top_k_index, top_k_weights)
         mark(h, 0)
         return self._head_piece(h)
-
-    def _replay(self, out: StepOutput, mode: str) -> None:
-        """The host side of the eager path, after the fact: observers per layer, then (cache target
-        step) the cache's bookkeeping of the experts used, all READY, hence hits."""
-        if self.runtime is None:
-            return
-        account = mode == "target" and self.cache is not None
-        for layer in range(len(self.layers)):
-            top_k_index = out.top_k_index[layer]
-            for observe in self.runtime.observers:
-                observe(layer, out.expert_inputs[layer], top_k_index, out.top_k_weights[layer], mode)
-            if account:
-                experts = top_k_index.unique().tolist()
-                self.cache.acquire(layer, experts)
-                self.cache.release(layer, experts)
 
     # ----- host experts of the layered path --------------------------------------------------------
 

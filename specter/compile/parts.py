@@ -119,8 +119,9 @@ class PathChooser:
     until ``end_round(key, seconds_per_step)``, which judges it by a cost the caller measured over
     the round (the speculative engine's draft steps: their time plus the transfer wait they left
     to verification, as a fused draft step hands its predictions to the scheduler only at its end).
-    ``run(key, fused, layered, waited_s)`` chooses, runs and observes a step, its time less the
-    transfer wait it added to ``waited_s()``."""
+    ``run(key, fused, layered, waited_s, per=1)`` chooses, runs and observes a step, its time less
+    the transfer wait it added to ``waited_s()``, divided by ``per`` (a key shared by steps of
+    different widths is judged per token)."""
 
     TRIALS, RECHECK, WINDOW = 3, 16, 5
     MARGIN = 0.05  # the fused path replaces the layered one when at least this much faster
@@ -191,7 +192,8 @@ class PathChooser:
         self.seconds[key] = statistics.median(recent)
 
     def run(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor],
-            waited_s: Callable[[], float] = lambda: 0.0, synchronize: Callable[[], None] = lambda: None) -> Tensor:
+            waited_s: Callable[[], float] = lambda: 0.0, synchronize: Callable[[], None] = lambda: None,
+            per: float = 1.0) -> Tensor:
         """Run the path ``choose(key)`` picks and ``observe`` its time less the transfer wait the
         step added to ``waited_s()`` (a caller whose paths wait for the same copies says so: the wait
         then tells which experts were missing, not which path is faster; on a 2 GB/s link it
@@ -200,7 +202,7 @@ class PathChooser:
         waited, started = waited_s(), time.perf_counter()
         result = layered() if path == "layered" else fused()
         synchronize()
-        self.observe(key, path, time.perf_counter() - started - max(0.0, waited_s() - waited))
+        self.observe(key, path, (time.perf_counter() - started - max(0.0, waited_s() - waited)) / per)
         return result
 
     def as_dict(self) -> dict:
@@ -215,6 +217,22 @@ class StepOutput:
     top_k_weights: Tensor  # [L, T, k]
     expert_inputs: Tensor  # [L, T, H]
     missing: Tensor | None  # [] bool: a needed expert was not resident (cache source only)
+
+    def replay(self, runtime, cache, mode: str) -> None:
+        """The host side of the eager path, after the fact: ``runtime``'s observers per layer,
+        then (a ``cache`` target step) the cache's bookkeeping of the experts used, all READY,
+        hence hits."""
+        if runtime is None:
+            return
+        account = mode == "target" and cache is not None
+        for layer in range(self.top_k_index.shape[0]):
+            top_k_index = self.top_k_index[layer]
+            for observe in runtime.observers:
+                observe(layer, self.expert_inputs[layer], top_k_index, self.top_k_weights[layer], mode)
+            if account:
+                experts = top_k_index.unique().tolist()
+                cache.acquire(layer, experts)
+                cache.release(layer, experts)
 
 
 class StaticKV:

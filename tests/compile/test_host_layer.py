@@ -10,6 +10,8 @@ import torch
 
 import specter
 from specter.compile import host_layer
+from specter.compile.decoder import POOLED_KEY
+from specter.compile.parts import StepOutput
 from specter.testing.zoo import save_random_checkpoint
 
 torch.set_num_threads(1)
@@ -108,7 +110,7 @@ def test_a_host_that_computes_a_layer_computes_its_first_experts_while_its_other
     engine = specter.load(recipe)
     decoder, runtime = engine.compiled, engine.runtime
     assert decoder.layer_host.computes
-    monkeypatch.setattr(decoder, "_run_chosen", lambda key, fused, layered: fused())  # every decode step fused
+    monkeypatch.setattr(decoder, "_run_chosen", lambda key, fused, layered, per=1: fused())  # every decode step fused
     fused_target, overlap_in_fused = decoder._run_fused_target, []
 
     def run_fused_target(*args):
@@ -160,7 +162,7 @@ def test_a_computing_host_verifies_rounds_wider_than_the_cache_in_the_fused_step
         return from_slots(layer, module, hidden, top_k_index, top_k_weights)
     monkeypatch.setattr(decoder, "_run_fused_target", run_fused_target)
     monkeypatch.setattr(runtime, "_forward_from_slots", forward_from_slots)
-    monkeypatch.setattr(decoder, "_run_chosen", lambda key, fused, layered: fused() if key > 1 else layered())
+    monkeypatch.setattr(decoder, "_run_chosen", lambda key, fused, layered, per=1: fused() if max(key, per) > 1 else layered())
     report = engine.generate(PROMPTS).report
     capacity = engine.cache.capacity
     engine.close()
@@ -177,9 +179,9 @@ def test_a_fused_draft_step_tells_the_observers_each_layer_while_it_runs(checkpo
     engine = specter.load(recipe)
     decoder = engine.compiled
     monkeypatch.setattr(decoder.chooser, "held", lambda key: "fused")  # every draft step runs the fused graph
-    replay = decoder._replay
-    monkeypatch.setattr(decoder, "_replay", lambda out, mode: pytest.fail("a draft step was replayed after it ran")
-                        if mode == "draft" else replay(out, mode))
+    replay = StepOutput.replay
+    monkeypatch.setattr(StepOutput, "replay", lambda out, runtime, cache, mode: pytest.fail(
+        "a draft step was replayed after it ran") if mode == "draft" else replay(out, runtime, cache, mode))
     seen: list = []
     engine.runtime.observers.append(
         lambda layer, hidden, index, weights, mode: seen.append((layer, decoder.layer_host._live)) if mode == "draft" else None)
@@ -198,10 +200,32 @@ def test_the_chooser_discounts_transfer_waits_only_where_both_paths_wait_alike(c
               "offload": {"link": {"kind": "local"}, "expert_budget": 0.5}}
     engine = specter.load(recipe)
     decoder, passed = engine.compiled, {}
-    monkeypatch.setattr(decoder.chooser, "run", lambda key, fused, layered, waited_s, sync: passed.update(w=waited_s))
+    monkeypatch.setattr(decoder.chooser, "run", lambda key, fused, layered, waited_s, sync, per=1: passed.update(w=waited_s))
     decoder._run_chosen(5, lambda: None, lambda: None)
     before = passed["w"]()
     engine.cache.stats.transfer_wait_s += 0.5
     after = passed["w"]()
     engine.close()
     assert after - before == pytest.approx(0.5 if computes else 0.0)
+
+
+@pytest.mark.parametrize("computes", [False, True])
+def test_a_computing_host_makes_one_path_choice_for_every_width_judged_per_token(checkpoint, monkeypatch, computes):
+    monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
+    recipe = {"model": checkpoint, "engine": "specter", "max_new_tokens": 10, "threads": 1, "compile": True,
+              "offload": {"link": {"kind": "local"}, "expert_budget": 0.5},
+              "speculation": {"governor": {"name": "fixed", "k": 3}}}
+    engine = specter.load(recipe)
+    decoder, calls = engine.compiled, []
+    run = decoder.chooser.run
+
+    def recording_run(key, fused, layered, waited_s, sync, per=1.0):
+        calls.append((key, per))
+        return run(key, fused, layered, waited_s, sync, per=per)
+    monkeypatch.setattr(decoder.chooser, "run", recording_run)
+    engine.generate(PROMPTS)
+    engine.close()
+    if computes:  # verifications of k + 1 = 4 tokens, judged per token under the shared key
+        assert {key for key, _ in calls} == {POOLED_KEY} and 4 in {per for _, per in calls}
+    else:
+        assert all(per == 1 for _, per in calls) and 4 in {key for key, _ in calls}
