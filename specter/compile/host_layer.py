@@ -24,10 +24,11 @@ Contract:
   Outside ``live`` (warm-up on scratch inputs) a call touches nothing: it reads the slot table,
   or returns zeros.
 - Draft steps: the fused draft graph calls ``layer_routed`` at each layer once the router has
-  chosen (``draft_handle``; inside ``live``, ``draft_routed`` tells the observers), so the draft
-  predictor hands the scheduler each layer's prediction while the step runs. Telling them after
-  the step cost link-bound rounds their copies' head start: widened model, 25% on 2 GB/s, k = 8,
-  verification waited 7-8 ms a round more than the lean step's (compiled 0.975x eager there).
+  chosen (``draft_handle``; inside ``live``, ``draft_routed`` tells the observers), so the observers
+  see each layer while the step runs, as on the lean step: the draft predictor hands a round's
+  first layer to the scheduler at once when nothing is copying, then each step's layers at its
+  last layer. Told after the step, a link-bound round's copies lost their head start: widened
+  model, 25% on 2 GB/s, k = 8, verification waited 7-8 ms a round more (compiled 0.975x eager).
 - ``layer_slots(x, top_k_index, top_k_weights, row, handle, n_experts) -> [n_experts] int64``,
   ``layer_experts(x, top_k_index, top_k_weights, row, handle) -> [T, H]`` and
   ``layer_routed(x, top_k_index, top_k_weights, row, handle) -> a copy of x``
