@@ -76,13 +76,24 @@ def checkpoint(tmp_path_factory) -> str:
     return str(save_random_checkpoint("mixtral", path, seed=0, hidden=64, intermediate=64, layers=2))
 
 
+def specter_recipe(checkpoint: str, budget: float, k: int, tokens: int) -> dict:
+    return {"model": checkpoint, "engine": "specter", "max_new_tokens": tokens, "threads": 1, "compile": True,
+            "offload": {"link": {"kind": "local"}, "expert_budget": budget},
+            "speculation": {"governor": {"name": "fixed", "k": k}}}
+
+
+def resident_tokens(recipe: dict) -> list:
+    """The eager resident engine's greedy tokens for PROMPTS under ``recipe``."""
+    return specter.load({**recipe, "engine": "resident", "compile": False}).generate(PROMPTS).token_ids
+
+
 @pytest.mark.parametrize("computes", [False, True])
 def test_fused_cache_steps_load_misses_live_and_never_drain(checkpoint, monkeypatch, computes):
     monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
     synchronous = {"kind": "local", "options": {"copy_thread": False}}
     recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 12, "threads": 1, "compile": True,
               "offload": {"link": synchronous, "expert_budget": 0.25}}
-    expected = specter.load({**recipe, "engine": "resident", "compile": False}).generate(PROMPTS).token_ids
+    expected = resident_tokens(recipe)
     engine = specter.load(recipe)
     decoder = engine.compiled
     assert decoder.host_layers and decoder.layer_host.computes == computes
@@ -106,7 +117,7 @@ def test_a_host_that_computes_a_layer_computes_its_first_experts_while_its_other
     slow = {"kind": "emulated", "gbps": 0.02, "latency_us": 200}  # a tiny expert's copy takes ~2 ms
     recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 8, "threads": 1, "compile": True,
               "offload": {"link": slow, "expert_budget": 0.5}}
-    expected = specter.load({**recipe, "engine": "resident", "compile": False}).generate(PROMPTS).token_ids
+    expected = resident_tokens(recipe)
     engine = specter.load(recipe)
     decoder, runtime = engine.compiled, engine.runtime
     assert decoder.layer_host.computes
@@ -140,10 +151,8 @@ def test_the_host_computes_the_experts_that_hold_at_least_the_threshold(checkpoi
 
 def test_a_computing_host_verifies_rounds_wider_than_the_cache_in_the_fused_step(checkpoint, monkeypatch):
     monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0)
-    recipe = {"model": checkpoint, "engine": "specter", "max_new_tokens": 12, "threads": 1, "compile": True,
-              "offload": {"link": {"kind": "local"}, "expert_budget": 0.15},
-              "speculation": {"governor": {"name": "fixed", "k": 6}}}
-    expected = specter.load({**recipe, "engine": "resident", "compile": False}).generate(PROMPTS).token_ids
+    recipe = specter_recipe(checkpoint, 0.15, k=6, tokens=12)
+    expected = resident_tokens(recipe)
     engine = specter.load(recipe)
     decoder = engine.compiled
     runtime, in_fused, needed = engine.runtime, [False], []
@@ -172,10 +181,8 @@ def test_a_computing_host_verifies_rounds_wider_than_the_cache_in_the_fused_step
 
 
 def test_a_fused_draft_step_tells_the_observers_each_layer_while_it_runs(checkpoint, monkeypatch):
-    recipe = {"model": checkpoint, "engine": "specter", "max_new_tokens": 10, "threads": 1, "compile": True,
-              "offload": {"link": {"kind": "local"}, "expert_budget": 0.5},
-              "speculation": {"governor": {"name": "fixed", "k": 3}}}
-    expected = specter.load({**recipe, "engine": "resident", "compile": False}).generate(PROMPTS).token_ids
+    recipe = specter_recipe(checkpoint, 0.5, k=3, tokens=10)
+    expected = resident_tokens(recipe)
     engine = specter.load(recipe)
     decoder = engine.compiled
     monkeypatch.setattr(decoder.chooser, "held", lambda key: "fused")  # every draft step runs the fused graph
@@ -212,10 +219,7 @@ def test_the_chooser_discounts_transfer_waits_only_where_both_paths_wait_alike(c
 @pytest.mark.parametrize("computes", [False, True])
 def test_a_computing_host_makes_one_path_choice_for_every_width_judged_per_token(checkpoint, monkeypatch, computes):
     monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
-    recipe = {"model": checkpoint, "engine": "specter", "max_new_tokens": 10, "threads": 1, "compile": True,
-              "offload": {"link": {"kind": "local"}, "expert_budget": 0.5},
-              "speculation": {"governor": {"name": "fixed", "k": 3}}}
-    engine = specter.load(recipe)
+    engine = specter.load(specter_recipe(checkpoint, 0.5, k=3, tokens=10))
     decoder, calls = engine.compiled, []
     run = decoder.chooser.run
 
