@@ -135,7 +135,6 @@ class CompiledDecoder:
         self._draft_experts: CompiledDraftExperts | None = None
         self.lean_step = None  # the eager lean draft step (lean_draft.use_lean_draft), the draft's layered path
         self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
-        self._pool_widths = True  # one choice for every width where the host computes (``_run_target``)
 
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
             weights = [self.embed, self.final_norm, self.lm_head, self.lm_head_bias, self.inv_freq]
@@ -308,7 +307,7 @@ class CompiledDecoder:
         width = tokens.shape[0]
         # a computing host does the same expert work on both paths, whatever the width: one choice
         # for all widths, judged per token (per width, a roofline's many widths each paid trials)
-        pooled = self._pool_widths and self.layer_host is not None and self.layer_host.computes
+        pooled = self.layer_host is not None and self.layer_host.computes
         return self._run_chosen(POOLED_KEY if pooled else width, lambda: self._run_fused_target(*args),
                                 lambda: self._run_layered(*args), per=width if pooled else 1)
 

@@ -118,7 +118,7 @@ class PathChooser:
     ``begin_round(key)`` instead holds one choice for every step of ``key``
     until ``end_round(key, seconds_per_step)``, which judges it by a cost the caller measured over
     the round (the speculative engine's draft steps: their time plus the transfer wait they left
-    to verification, as a fused draft step hands its predictions to the scheduler only at its end).
+    to verification: a fused draft step under CUDA graphs hands its predictions over only at its end).
     ``run(key, fused, layered, waited_s, per=1)`` chooses, runs and observes a step, its time less
     the transfer wait it added to ``waited_s()``, divided by ``per`` (a key shared by steps of
     different widths is judged per token)."""
@@ -183,7 +183,7 @@ class PathChooser:
 
     def observe(self, width: int, path: str, seconds: float) -> None:
         if self._rechecking.pop(width, None) == path and self._faster(width, path, seconds):
-            due, interval, best = self._next_recheck[width]  # the recheck beat the path ahead: again at once
+            best = self._next_recheck[width][2]  # the recheck beat the path ahead: again at once
             self._next_recheck[width] = (self.steps[width] + 1, 1, best)
         key = (width, path)
         self.counts[key] = self.counts.get(key, 0) + 1
