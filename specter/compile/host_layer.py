@@ -152,8 +152,7 @@ class LayerHost:
             return torch.zeros_like(x) if self.computes else self.cache.slot_table[row].clone()
         if self.computes:  # the observers are told inside, as on the eager path
             return self.runtime.forward(row, self.modules[row], x, top_k_index, top_k_weights)
-        for observe in self.runtime.observers:
-            observe(row, x, top_k_index, top_k_weights, self.runtime.mode)
+        self.runtime.notify(row, x, top_k_index, top_k_weights)
         self._release_held()
         experts = top_k_index.unique().tolist()
         if len(experts) <= self.cache.capacity:
@@ -165,8 +164,7 @@ class LayerHost:
         """A fused draft step routed layer ``row``: the observers (the draft predictor, hence the
         scheduler's prefetches) see it now, as on the lean step, not after the step."""
         if self._live:
-            for observe in self.runtime.observers:
-                observe(row, x, top_k_index, top_k_weights, "draft")
+            self.runtime.notify(row, x, top_k_index, top_k_weights, "draft")
 
     def _release_held(self) -> None:
         if self._held is not None:

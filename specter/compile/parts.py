@@ -227,8 +227,7 @@ class StepOutput:
         account = mode == "target" and cache is not None
         for layer in range(self.top_k_index.shape[0]):
             top_k_index = self.top_k_index[layer]
-            for observe in runtime.observers:
-                observe(layer, self.expert_inputs[layer], top_k_index, self.top_k_weights[layer], mode)
+            runtime.notify(layer, self.expert_inputs[layer], top_k_index, self.top_k_weights[layer], mode)
             if account:
                 experts = top_k_index.unique().tolist()
                 cache.acquire(layer, experts)

@@ -11,7 +11,8 @@ Contract:
 - ``ExpertRuntime.forward(layer, module, hidden [T,H], top_k_index [T,k], top_k_weights [T,k])``
   computes one MoE layer. In ``target`` mode the full-precision experts come from device cache
   slots (loaded on demand when missing); in ``draft`` mode from the layer's resident INT4 copy.
-  Every call first reports the routing to the runtime's observers (predictors, metrics).
+  Every call first reports the routing to the runtime's observers (predictors, metrics):
+  ``notify(layer, hidden, top_k_index, top_k_weights, mode=None)``, which the compiled paths call too.
 - Slot computation runs straight from the slot tensors with expert ids remapped to slot ids: on
   a CPU, for the common gated layout, ``specter.kernels.grouped_experts`` (every needed expert
   read once for all the tokens routed to it, no per-expert Python loop, no host sync); otherwise
@@ -138,11 +139,16 @@ class ExpertRuntime:
         finally:
             self.mode = previous
 
+    def notify(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               mode: str | None = None) -> None:
+        """Tell every observer a layer's routing (``mode``: the runtime's own when None)."""
+        for observe in self.observers:
+            observe(layer, hidden, top_k_index, top_k_weights, mode or self.mode)
+
     def forward(
         self, layer: int, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        for observe in self.observers:
-            observe(layer, hidden, top_k_index, top_k_weights, self.mode)
+        self.notify(layer, hidden, top_k_index, top_k_weights)
         if self.mode == "draft":
             return self.draft[layer].forward(hidden, top_k_index, top_k_weights)
         return self._forward_from_slots(layer, module, hidden, top_k_index, top_k_weights)

@@ -44,9 +44,7 @@ class ExpertStore:
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # expert() views, made once each
         self.pinned = False
         if pin and torch.cuda.is_available():
-            for params in self._layers.values():
-                for name in params:
-                    params[name] = params[name].pin_memory()
+            self.move_storage(torch.Tensor.pin_memory)
             self.pinned = True
 
     @property
