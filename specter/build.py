@@ -182,9 +182,9 @@ def build_engine(recipe) -> Engine:
     torch.manual_seed(recipe.seed)
     parts = EngineParts(recipe)
     engine = registry().create("engine", recipe.engine, {}, key="engine", expect=Engine, recipe=recipe, parts=parts)
+    use_lean_draft(engine)  # before compiling: a compiled engine on a CPU drafts with it too
     if recipe.compile:
         from specter.compile.attach import compile_engine
 
         compile_engine(engine)
-    use_lean_draft(engine)
     return engine

@@ -4,7 +4,10 @@ Contract: ``compile_engine(engine, max_k=None)`` builds the ``CompiledDecoder`` 
 (resident, ondemand, router-lookahead, specter; others raise ``SpecterError``), warms it up and
 sets ``engine.compiled``; ``Engine.forward_logits`` / ``new_kv_cache`` then route through it.
 ``max_k``: the most draft tokens a round may verify (default: the governor's ``k_max``, else
-``MAX_K``).
+``MAX_K``). A drafting engine's lean step (``engine.lean_draft``, given before compiling by
+``lean_draft.use_lean_draft``) that the native row kernels serve becomes the decoder's
+``lean_step``, which then runs every draft step (no draft graph is compiled);
+``engine.lean_draft`` is cleared either way (a compiled engine drafts through its decoder).
 """
 
 from __future__ import annotations
@@ -29,9 +32,13 @@ def compile_engine(engine, max_k: int | None = None) -> CompiledDecoder:
     draft = getattr(engine, "draft", None)
     if draft:
         decoder.set_draft(draft)
+        lean = getattr(engine, "lean_draft", None)
+        if lean is not None and lean.native_rows:
+            decoder.lean_step = lean
+        engine.lean_draft = None
         if max_k is None:
             governor = getattr(engine, "governor", None)
             max_k = getattr(governor, "k_max", MAX_K)
-    decoder.warm_up(max_verify_tokens=(max_k or 0) + 1, draft=bool(draft))
+    decoder.warm_up(max_verify_tokens=(max_k or 0) + 1, draft=bool(draft) and decoder.lean_step is None)
     engine.compiled = decoder
     return decoder

@@ -33,10 +33,12 @@ Contract:
     any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
     (for predictors that must act between layers, e.g. router lookahead) unless the fused graph
     calls the host at each layer (CPU), where they act inside it. For cache target steps, and for
-    draft steps (the fused draft graph against a layered path: the eager lean step where
-    ``lean_step`` is set, on a CPU with the native kernels, else compiled attention + the eager
-    grouped INT4 experts), a ``PathChooser`` measures both paths and takes the faster one; draft
-    steps between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path the caller judges.
+    draft steps without a ``lean_step`` (the fused draft graph against compiled attention + the
+    eager grouped INT4 experts), a ``PathChooser`` measures both paths and takes the faster one;
+    draft steps between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path the
+    caller judges. Where ``lean_step`` is set (the eager lean draft step, on a CPU with the native
+    kernels: ``attach.compile_engine``) it runs every draft step and no draft graph is compiled:
+    the fused draft graph never beat it there (design notes, stop 48).
 - After a fused step without host calls (draft and cache target steps under CUDA graphs) the host
   replays per layer what the eager path does inside it: observers get (layer, expert input,
   top_k_index, top_k_weights, mode); a cache target step's ``cache.acquire`` + ``release`` keep
@@ -133,7 +135,7 @@ class CompiledDecoder:
             self.target_experts = SlotExperts(self.cache, self.expert_modules[0], host=self.layer_host)
             self.host_experts = self._host_cache_experts
         self._draft_experts: CompiledDraftExperts | None = None
-        self.lean_step = None  # the eager lean draft step (lean_draft.use_lean_draft), the draft's layered path
+        self.lean_step = None  # the eager lean draft step (attach.compile_engine): then it runs every draft step
         self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
 
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
@@ -264,7 +266,7 @@ class CompiledDecoder:
             raise SpecterError("compile: draft mode without draft experts (CompiledDecoder.set_draft)")
         self.stats.draft_steps += 1
 
-        def graph_inputs() -> tuple[Tensor, Tensor, Tensor]:  # the lean step needs none of these
+        def graph_inputs() -> tuple[Tensor, Tensor, Tensor]:
             return tokens, torch.arange(start, start + 1, device=self.device), self._span(start + 1)
 
         def fused() -> Tensor:
@@ -276,11 +278,11 @@ class CompiledDecoder:
                     out = self._call_fused(self._draft_step, *graph_inputs(), kv)
             return out.logits
 
-        def layered() -> Tensor:  # the lean step, else compiled attention with the INT4 experts eagerly
-            if self.lean_step is not None:
-                return self.lean_step.step(int(tokens[0]), kv)[None]
+        def layered() -> Tensor:  # compiled attention with the INT4 experts eagerly
             return self._layered_logits(*graph_inputs(), kv, host=self.host_experts)
 
+        if self.lean_step is not None:
+            return self.lean_step.step(int(tokens[0]), kv)[None]
         held = self.chooser.held(DRAFT_KEY)  # a round's path, judged by the engine (begin_draft_round)
         if held is not None:
             return layered() if held == "layered" else fused()

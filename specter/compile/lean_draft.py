@@ -1,9 +1,9 @@
 """The draft's one-token step written over the model's weights, for eager speculative rounds.
 
 Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step where its model
-allows (the composition root calls it): an eager engine drafts with it; a compiled one on a CPU
-(native kernels serving) runs it as the layered path of its draft, which its path chooser
-measures against the compiled draft graph; returns whether it did.
+allows (the composition root calls it, before compiling): an eager engine drafts with it; so
+does a compiled one on a CPU (native kernels serving; ``specter.compile.attach``), with no
+compiled draft graph; returns whether it did.
 ``LeanDraftStep.build(model, runtime)`` returns a step for models whose decoder
 ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE without dense layers) with no
 sliding window, every decoder layer served by ``runtime``; otherwise None, and
@@ -167,18 +167,11 @@ class LeanDraftStep:
 
 
 def use_lean_draft(engine) -> bool:
-    """Give a drafting (``specter``) engine the lean step where its model allows: an eager engine
-    drafts with it (``engine.lean_draft``); a compiled one on a CPU, where the native kernels
-    serve the step, takes it as its draft's layered path (``engine.compiled.lean_step``: the
-    engine's path chooser measures it against the fused draft graph round by round). Whether it
-    did."""
+    """Give a drafting (``specter``) engine the lean step where its model allows
+    (``engine.lean_draft``); whether it did. Called before compiling: ``compile_engine`` hands the
+    step to the compiled decoder where the native kernels serve it (on a CPU), which then drafts
+    with it instead of a compiled draft graph."""
     if not hasattr(engine, "lean_draft"):
         return False
-    step = LeanDraftStep.build(engine.model, engine.runtime)
-    if engine.compiled is None:
-        engine.lean_draft = step
-    elif step is not None and step.native_rows:
-        engine.compiled.lean_step = step
-    else:
-        return False
-    return step is not None
+    engine.lean_draft = LeanDraftStep.build(engine.model, engine.runtime)
+    return engine.lean_draft is not None

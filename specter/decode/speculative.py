@@ -5,8 +5,9 @@ Contract of one ``specter`` round (batch 1, one shared ``DynamicCache``):
    prefetch, as the ``router-lookahead`` engine does; without prefetch, as ``ondemand``, on a
    link that does not overlap compute). The draft — the same model with its routed experts
    switched to the resident INT4 copies; attention, norms, routers, embeddings and KV cache are
-   the target's own; eagerly, a lean one-token step over the same weights where the model allows
-   (``specter.compile.lean_draft``, given by the composition root) — runs k steps from the last
+   the target's own; a lean one-token step over the same weights where the model allows
+   (``specter.compile.lean_draft``, given by the composition root; compiled engines take it on a
+   CPU, elsewhere their draft graph) — runs k steps from the last
    emitted token, appending temporary KV entries. Its routing at every (position, layer) fills
    the scheduler's lookahead buffer and prefetches start at once.
    With ``lookahead_last`` one more draft step runs over the k-th drafted token for its routing
@@ -245,23 +246,32 @@ class SpecterEngine(PrefetchingEngine):
         return drafted, (torch.stack(probs) if probs else None)
 
     def _draft_logits(self, token: int, kv, logits: bool = True) -> torch.Tensor | None:
-        """One draft step over ``token``: fp32 logits [V]. Compiled engines run their draft graph;
-        eager ones the lean step where the model allows (``specter.compile.lean_draft``), else the
-        model's own forward with the INT4 experts switched in. ``logits=False``: the step is run
-        for its routing only; the lean step then skips the LM head (and returns None)."""
-        if self.compiled is None and self.lean_draft is not None:
-            return self.lean_draft.step(token, kv, logits=logits)
+        """One draft step over ``token``: fp32 logits [V]. The lean step where the engine has one
+        (``specter.compile.lean_draft``: eager engines where the model allows, compiled ones on a
+        CPU as well), else a compiled engine's draft graph, else the model's own forward with the
+        INT4 experts switched in. ``logits=False``: the step is run for its routing only; the lean
+        step then skips the LM head (and returns None)."""
+        lean = self.lean_step
+        if lean is not None:
+            return lean.step(token, kv, logits=logits)
         return self.forward_logits(torch.tensor([[token]], device=self.device), kv)[-1]
+
+    @property
+    def lean_step(self):
+        """The lean draft step this engine drafts with (eager: ``lean_draft``; compiled: its
+        decoder's ``lean_step``), or None."""
+        return self.lean_draft if self.compiled is None else getattr(self.compiled, "lean_step", None)
 
     @property
     def draft_step_kind(self) -> str:
         """How draft tokens come: ``predictor`` (it proposes them, e.g. ``ngram``), else how draft
-        steps run: ``compiled``, ``lean`` or ``model`` (see ``_draft_logits``)."""
+        steps run: ``lean``, ``compiled`` (the draft graph against its layered path, judged per
+        round) or ``model`` (see ``_draft_logits``)."""
         if self.predictor.drafts_tokens:
             return "predictor"
-        if self.compiled is not None:
-            return "compiled"
-        return "lean" if self.lean_draft is not None else "model"
+        if self.lean_step is not None:
+            return "lean"
+        return "compiled" if self.compiled is not None else "model"
 
     def start_prompt(self) -> None:
         self.guarded(self.predictor.reset)
@@ -316,8 +326,8 @@ class SpecterEngine(PrefetchingEngine):
                        verify_io_wait_s=self.cache.stats.transfer_wait_s - wait_before)
         timings["host_s"] = total - timings["draft_s"] - timings["flush_s"] - timings["verify_s"]
         if judged and timings["draft_steps"]:
-            # a compiled draft path is judged by the round: a fused step hands the scheduler its
-            # predictions only at its end, and copies started late are waited for in verification
+            # a compiled draft path is judged by the round: copies its predictions started late
+            # are waited for in verification
             self.compiled.end_draft_round((timings["draft_s"] + timings["verify_io_wait_s"]) / timings["draft_steps"])
         metrics.observe_round(total_s=total, verify_tokens=k + 1, **timings)
         metrics.observe_draft(k, result.accepted)

@@ -185,6 +185,7 @@ def test_a_fused_draft_step_tells_the_observers_each_layer_while_it_runs(checkpo
     expected = resident_tokens(recipe)
     engine = specter.load(recipe)
     decoder = engine.compiled
+    monkeypatch.setattr(decoder, "lean_step", None)  # no lean step (as where the native kernels do not serve)
     monkeypatch.setattr(decoder.chooser, "held", lambda key: "fused")  # every draft step runs the fused graph
     replay = StepOutput.replay
     monkeypatch.setattr(StepOutput, "replay", lambda out, runtime, cache, mode: pytest.fail(

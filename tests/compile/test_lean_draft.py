@@ -10,6 +10,7 @@ import torch
 import specter
 from specter import native
 from specter.compile import lean_draft
+from specter.compile.attach import compile_engine
 from specter.compile.lean_draft import unsupported_reason
 from specter.decode.kv import crop_to
 from specter.kernels import native_rows
@@ -188,16 +189,26 @@ def test_on_the_compiled_decoders_static_cache_it_writes_and_reads_as_on_a_trans
         engine.close()
 
 
-def test_a_compiled_engine_on_a_cpu_takes_the_lean_step_as_its_drafts_layered_path(checkpoints):
-    from types import SimpleNamespace
-
+def test_a_compiled_engine_on_a_cpu_drafts_with_the_lean_step_and_compiles_no_draft_graph(checkpoints):
     if not native.available():
         pytest.skip(f"native kernels: {native.unavailable_reason()}")
-    engine = build(checkpoints["mixtral"])
+    path = checkpoints["mixtral"]
+    resident = specter.load({"model": path, "engine": "resident", "threads": 1, "dtype": "float32", "max_new_tokens": 12})
     try:
-        engine.lean_draft, engine.compiled = None, SimpleNamespace(lean_step=None)  # as compile_engine leaves it
-        assert lean_draft.use_lean_draft(engine)
-        assert engine.lean_draft is None and isinstance(engine.compiled.lean_step, lean_draft.LeanDraftStep)
-        engine.compiled = None
+        expected = resident.generate([PROMPT]).token_ids
+    finally:
+        resident.close()
+    engine = build(path)
+    try:
+        step = engine.lean_draft
+        assert isinstance(step, lean_draft.LeanDraftStep)
+        compile_engine(engine, max_k=3)
+        assert engine.compiled.lean_step is step and engine.lean_draft is None
+        graph_calls: list = []
+        engine.compiled._draft_step = lambda *args: graph_calls.append(args)  # a draft graph run would land here
+        result = engine.generate([PROMPT])
     finally:
         engine.close()
+    assert result.token_ids == expected
+    assert result.report["draft"]["step"] == "lean" and result.report["phases"]["draft_steps"] > 0
+    assert graph_calls == [] and result.report["compile"]["late_graphs"] == 0
