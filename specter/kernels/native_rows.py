@@ -53,3 +53,28 @@ def glu_expert_rows(out: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, weigh
 def normed_rows(h: Tensor, norm_weight: Tensor, eps: float, weights: list[Tensor]) -> tuple[Tensor, Tensor]:
     """The RMS-normed row and every weight on it (see the module docstring); ``serves`` must hold."""
     return torch.ops.specter_native.normed_rows(h.contiguous(), norm_weight, eps, weights)
+
+
+def layer_serves(h: Tensor, head_dim: int, *weights: Tensor) -> bool:
+    """``draft_qkv`` / ``draft_attend_route`` can run a layer with these weights on rows like
+    ``h`` (``serves``, and whole 8-value vectors per head)."""
+    return head_dim % 8 == 0 and h.shape[-1] % ALIGN == 0 and serves(h, *weights)
+
+
+def draft_qkv(h: Tensor, input_norm: Tensor, q: Tensor, k: Tensor, v: Tensor, q_norm: Tensor | None,
+              k_norm: Tensor | None, cos: Tensor, signed_sin: Tensor, head_dim: int,
+              eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One token's normed, per-head-normed (``q_norm`` / ``k_norm`` where given) and rotated q,
+    k and v (see the module docstring); ``layer_serves`` must hold."""
+    none = h.new_empty(0)
+    return torch.ops.specter_native.draft_qkv(
+        h.contiguous(), input_norm, q, k, v, none if q_norm is None else q_norm, none if k_norm is None else k_norm,
+        cos, signed_sin, head_dim, eps)
+
+
+def draft_attend_route(q: Tensor, keys: Tensor, values: Tensor, length: int, h: Tensor, o: Tensor,
+                       post_norm: Tensor, router: Tensor, eps: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention over the cache's first ``length`` positions, o, the residual, the post-attention
+    norm and the router logits for one token (see the module docstring)."""
+    return torch.ops.specter_native.draft_attend_route(q, keys, values, length, h.contiguous(), o, post_norm,
+                                                       router, eps, scale)

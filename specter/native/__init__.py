@@ -14,7 +14,9 @@ Contract:
   (``specter.kernels.int4_native``, the INT4 draft); ``grouped_rows`` and ``normed_rows``
   (``specter.kernels.native_rows``: full-precision experts, the draft's norms and projections);
   ``glu_expert_rows`` (``native_rows``: one expert's gated MLP, a verification wave; it mutates
-  its output and is called eagerly only, with no fake implementation);
+  its output and is called eagerly only, with no fake implementation); ``draft_qkv`` and
+  ``draft_attend_route`` (``native_rows``: the lean draft step's attention half of a layer,
+  called eagerly only, with no fake implementation);
   ``stream_copy`` and ``paced_copy`` (``specter.memory.stream_copy``, the links' large host
   copies) mutate their destinations and are not called from compiled graphs.
 - A build lock (torch's ``lock`` file in the build directory) older than ``STALE_LOCK_S`` is
@@ -39,7 +41,7 @@ from torch import Tensor
 
 log = logging.getLogger("specter.native")
 NAME = "specter_native"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemv.cpp", "grouped_rows.cpp", "stream_copy.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemv.cpp", "grouped_rows.cpp", "draft_layer.cpp", "stream_copy.cpp")]
 STALE_LOCK_S = 300.0
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "reason": None once built and usable, else why not

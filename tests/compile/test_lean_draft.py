@@ -46,15 +46,16 @@ def routing_log(engine) -> list:
     return seen
 
 
-@pytest.mark.parametrize("native_projections", [True, False])
+@pytest.mark.parametrize("path", ["native-layers", "native-projections", "pytorch"])
 @pytest.mark.parametrize("arch", ("mixtral", "qwen3_moe"))
-def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, native_projections, checkpoints, monkeypatch):
+def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, path, checkpoints, monkeypatch):
     calls = []
+    native_projections = path != "pytorch"
     if native_projections:  # every projection of the tiny model through the native row kernel
         if not native.available():
             pytest.skip(f"native kernels: {native.unavailable_reason()}")
         monkeypatch.setattr(lean_draft, "NATIVE_MIN_ROWS", 1)
-        for name in ("grouped_rows", "normed_rows"):
+        for name in ("grouped_rows", "normed_rows", "draft_qkv", "draft_attend_route"):
             real = getattr(native_rows, name)
             monkeypatch.setattr(native_rows, name, lambda *args, real=real: calls.append(1) or real(*args))
     else:
@@ -62,6 +63,8 @@ def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, native
     engine = build(checkpoints[arch])
     try:
         assert engine.lean_draft is not None and engine.lean_draft.native_rows == native_projections
+        assert engine.lean_draft.native_layers == native_projections
+        engine.lean_draft.native_layers = path == "native-layers"
         seen = routing_log(engine)
         caches, lean_calls = [], []
         for use_lean in (False, True):
@@ -81,8 +84,10 @@ def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, native
             caches.append((kv, torch.stack(logits), seen[start:]))
         (kv_model, logits_model, routed_model), (kv_lean, logits_lean, routed_lean) = caches
         layers = engine.model.config.num_hidden_layers
-        # a layer: its norm with q, k and v; o; its norm with the router. Then the norm with the LM head
-        assert lean_calls == [3 * layers + 1 if native_projections else 0] * 4
+        # native layers: a layer's q, k, v, then its attention through the router; the norm with the LM head.
+        # Native projections: a layer's norm with q, k and v; o; its norm with the router; the LM head's
+        per_step = {"native-layers": 2 * layers + 1, "native-projections": 3 * layers + 1, "pytorch": 0}[path]
+        assert lean_calls == [per_step] * 4
         torch.testing.assert_close(logits_lean, logits_model, rtol=1e-5, atol=1e-5)
         assert kv_lean.get_seq_length() == kv_model.get_seq_length() == len(PROMPT) + 4
         for lean_layer, model_layer in zip(kv_lean.layers, kv_model.layers):

@@ -21,40 +21,13 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
-#include <immintrin.h>
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "grouped_rows.cpp is built with -mavx2 -mfma (specter/native/__init__.py)"
-#endif
+#include "rows_math.h"
 
 namespace {
 
-// Each line of a weight row is prefetched this far (1 KiB) ahead of its use: the rows of a weight
-// lie back to back, and a weight read from memory otherwise stalls the loop (one thread, this VM's
-// Xeon, 24 [8192, 256] + [256, 4096] experts cycled: three rows 1.12 -> 1.00-1.01 ms an expert,
-// one row 0.95 -> 0.93-0.94; in the engine, verification per expert read 1.23 -> 1.14-1.17 ms).
-constexpr int64_t kPrefetchFloats = 256;
-
-inline float hsum(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1)));
-}
-
-// out[r * ldo] = dot(w [K], x[r * K .. ]) for R rows; K % 16 == 0, two accumulators per row.
-template <int R>
-inline void dot_rows(const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + i + kPrefetchFloats), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
-    for (int r = 0; r < R; ++r) {
-      a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * k + i), a0[r]);
-      a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * k + i + 8), a1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(_mm256_add_ps(a0[r], a1[r]));
-}
+using specter_rows::dot_rows;
+using specter_rows::hsum;
+using specter_rows::kPrefetchFloats;
 
 // out[r * ldo + q] = dot(w + q * K [K], x[r * K ..]) for q < 4 and R <= 3 rows: four weight rows
 // share each load of x, which for long rows (K >= kQuadK) comes from L2, not L1 (12 accumulators,
@@ -204,13 +177,7 @@ std::tuple<at::Tensor, at::Tensor> normed_rows(const at::Tensor& h, const at::Te
   const float* hp = h.data_ptr<float>();
   const float* nw = norm_weight.data_ptr<float>();
   float* xp = normed.data_ptr<float>();
-  __m256 squares = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; i += 8) {
-    const __m256 v = _mm256_loadu_ps(hp + i);
-    squares = _mm256_fmadd_ps(v, v, squares);
-  }
-  const float inv = 1.0f / std::sqrt(hsum(squares) / static_cast<float>(k) + static_cast<float>(eps));
-  for (int64_t i = 0; i < k; ++i) xp[i] = nw[i] * (hp[i] * inv);
+  specter_rows::rms_norm_row(hp, nw, k, eps, xp);
   float* op = out.data_ptr<float>();
   for (const at::Tensor& w : weights) {
     const float* wp = w.data_ptr<float>();

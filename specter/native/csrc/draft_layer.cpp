@@ -1,0 +1,170 @@
+// A decoder layer's attention half for the draft's one token, in two calls around the K/V write
+// (the caller appends k and v to its cache in between). Contract (see
+// specter/kernels/draft_layer.py):
+//   draft_qkv(h [1, H], input_norm [H], wq [nH*d, H], wk [nKV*d, H], wv [nKV*d, H],
+//             q_norm [d] or [0], k_norm [d] or [0], cos [d], signed_sin [d], head_dim, eps)
+//     -> (q [nH, d], k [nKV, d], v [nKV, d]): the RMS-normed row through q, k and v; q and k
+//     per-head RMS-normed where q_norm / k_norm have d values; q and k rotated:
+//     x * cos + roll(x, d/2) * signed_sin.
+//   draft_attend_route(q [nH, d], keys [1, nKV, >=L, d], values (same), L, h [1, H], wo [H, nH*d],
+//             post_norm [H], router [E, H], eps, scale)
+//     -> (h + o(attention) [1, H], its RMS norm x [1, H], router logits [1, E]): q attends the
+//     cache's first L positions (any strides but the last; head n reads kv head n / (nH / nKV)),
+//     softmax in float32 with the row maximum subtracted.
+// Everything float32, contiguous but the cache; H, nH*d multiples of 16, d a multiple of 8. The
+// weights are read once each through the row kernels' dot products (rows_math.h); the rest is a
+// few microseconds of arithmetic that were 20-odd PyTorch ops a layer.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+#include "rows_math.h"
+
+namespace {
+
+using specter_rows::dot_rows;
+using specter_rows::rms_norm_row;
+
+void check_row_weight(const at::Tensor& w, int64_t k, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "draft layer: ", what, " must be a contiguous float32 [N, ", k, "] tensor");
+}
+
+void check_vector(const at::Tensor& v, int64_t n, const char* what) {
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == n && v.scalar_type() == at::kFloat && v.is_contiguous(),
+              "draft layer: ", what, " must be a contiguous float32 [", n, "] tensor");
+}
+
+// out [N] = w [N, K] @ x [K]
+void rows_of(const at::Tensor& w, const float* x, float* out) {
+  const int64_t n = w.size(0), k = w.size(1);
+  const float* wp = w.data_ptr<float>();
+  for (int64_t j = 0; j < n; ++j) dot_rows<1>(wp + j * k, x, k, out + j, 1);
+}
+
+// Each of `heads` rows of d values: RMS-normed by `norm` (when given), then rotated.
+void norm_and_rotate(float* rows, int64_t heads, int64_t d, const at::Tensor& norm, double eps, const float* cos,
+                     const float* signed_sin, bool rotate) {
+  std::vector<float> row(d);
+  const int64_t half = d / 2;
+  for (int64_t n = 0; n < heads; ++n) {
+    float* x = rows + n * d;
+    if (norm.numel()) rms_norm_row(x, norm.data_ptr<float>(), d, eps, x);
+    if (!rotate) continue;
+    std::copy(x, x + d, row.begin());
+    for (int64_t i = 0; i < d; ++i) x[i] = row[i] * cos[i] + row[(i + half) % d] * signed_sin[i];
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_qkv(
+    const at::Tensor& h, const at::Tensor& input_norm, const at::Tensor& wq, const at::Tensor& wk,
+    const at::Tensor& wv, const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& cos,
+    const at::Tensor& signed_sin, int64_t head_dim, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.scalar_type() == at::kFloat && h.is_contiguous(),
+              "draft_qkv: h must be a contiguous float32 [1, H] tensor");
+  const int64_t hidden = h.size(1), d = head_dim;
+  TORCH_CHECK(hidden % 16 == 0 && d % 8 == 0, "draft_qkv: H must be a multiple of 16 and head_dim of 8");
+  check_vector(input_norm, hidden, "input_norm");
+  check_row_weight(wq, hidden, "wq");
+  check_row_weight(wk, hidden, "wk");
+  check_row_weight(wv, hidden, "wv");
+  TORCH_CHECK(wq.size(0) % d == 0 && wk.size(0) % d == 0 && wv.size(0) == wk.size(0),
+              "draft_qkv: q, k and v must have whole heads of head_dim rows, k and v alike");
+  if (q_norm.numel() || k_norm.numel()) {
+    check_vector(q_norm, d, "q_norm");
+    check_vector(k_norm, d, "k_norm");
+  }
+  check_vector(cos, d, "cos");
+  check_vector(signed_sin, d, "signed_sin");
+  const int64_t n_heads = wq.size(0) / d, n_kv = wk.size(0) / d;
+  std::vector<float> x(hidden);
+  rms_norm_row(h.data_ptr<float>(), input_norm.data_ptr<float>(), hidden, eps, x.data());
+  auto q = at::empty({n_heads, d}, h.options());
+  auto k = at::empty({n_kv, d}, h.options());
+  auto v = at::empty({n_kv, d}, h.options());
+  rows_of(wq, x.data(), q.data_ptr<float>());
+  rows_of(wk, x.data(), k.data_ptr<float>());
+  rows_of(wv, x.data(), v.data_ptr<float>());
+  norm_and_rotate(q.data_ptr<float>(), n_heads, d, q_norm, eps, cos.data_ptr<float>(), signed_sin.data_ptr<float>(), true);
+  norm_and_rotate(k.data_ptr<float>(), n_kv, d, k_norm, eps, cos.data_ptr<float>(), signed_sin.data_ptr<float>(), true);
+  return {q, k, v};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_attend_route(
+    const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t length, const at::Tensor& h,
+    const at::Tensor& wo, const at::Tensor& post_norm, const at::Tensor& router, double eps, double scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "draft_attend_route: q must be a contiguous float32 [nH, d] tensor");
+  const int64_t n_heads = q.size(0), d = q.size(1);
+  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(3) == d && keys.stride(3) == 1 &&
+                  keys.scalar_type() == at::kFloat && values.sizes() == keys.sizes() &&
+                  values.strides() == keys.strides() && values.scalar_type() == at::kFloat,
+              "draft_attend_route: keys and values must be float32 [1, nKV, L, d] alike, the last dimension dense");
+  const int64_t n_kv = keys.size(1);
+  TORCH_CHECK(n_kv > 0 && n_heads % n_kv == 0, "draft_attend_route: nH must be a multiple of nKV");
+  TORCH_CHECK(length > 0 && length <= keys.size(2), "draft_attend_route: length must be in 1..L");
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.scalar_type() == at::kFloat && h.is_contiguous(),
+              "draft_attend_route: h must be a contiguous float32 [1, H] tensor");
+  const int64_t hidden = h.size(1), width = n_heads * d;
+  TORCH_CHECK(hidden % 16 == 0 && width % 16 == 0, "draft_attend_route: H and nH*d must be multiples of 16");
+  check_row_weight(wo, width, "wo");
+  TORCH_CHECK(wo.size(0) == hidden, "draft_attend_route: wo must be [H, nH*d]");
+  check_vector(post_norm, hidden, "post_norm");
+  check_row_weight(router, hidden, "router");
+
+  const int64_t group = n_heads / n_kv, head_stride = keys.stride(1), pos_stride = keys.stride(2);
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  std::vector<float> attended(width, 0.0f), scores(length);
+  for (int64_t n = 0; n < n_heads; ++n) {
+    const float* qn = qp + n * d;
+    const float* kh = kp + (n / group) * head_stride;
+    const float* vh = vp + (n / group) * head_stride;
+    float top = -INFINITY;
+    for (int64_t l = 0; l < length; ++l) {
+      const float* kl = kh + l * pos_stride;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qn + i), _mm256_loadu_ps(kl + i), acc);
+      scores[l] = specter_rows::hsum(acc) * static_cast<float>(scale);
+      top = std::max(top, scores[l]);
+    }
+    float total = 0.0f;
+    for (int64_t l = 0; l < length; ++l) total += (scores[l] = std::exp(scores[l] - top));
+    float* out = attended.data() + n * d;
+    for (int64_t l = 0; l < length; ++l) {
+      const __m256 p = _mm256_set1_ps(scores[l] / total);
+      const float* vl = vh + l * pos_stride;
+      for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + i), _mm256_loadu_ps(out + i)));
+    }
+  }
+  auto h_out = at::empty({1, hidden}, h.options());
+  auto x = at::empty({1, hidden}, h.options());
+  auto logits = at::empty({1, router.size(0)}, h.options());
+  float* hp = h_out.data_ptr<float>();
+  rows_of(wo, attended.data(), hp);
+  const float* hin = h.data_ptr<float>();
+  for (int64_t i = 0; i < hidden; ++i) hp[i] += hin[i];
+  rms_norm_row(hp, post_norm.data_ptr<float>(), hidden, eps, x.data_ptr<float>());
+  rows_of(router, x.data_ptr<float>(), logits.data_ptr<float>());
+  return {h_out, x, logits};
+}
+
+TORCH_LIBRARY_FRAGMENT(specter_native, m) {
+  m.def("draft_qkv(Tensor h, Tensor input_norm, Tensor wq, Tensor wk, Tensor wv, Tensor q_norm, Tensor k_norm, "
+        "Tensor cos, Tensor signed_sin, int head_dim, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("draft_attend_route(Tensor q, Tensor keys, Tensor values, int length, Tensor h, Tensor wo, "
+        "Tensor post_norm, Tensor router, float eps, float scale) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
+  m.impl("draft_qkv", &draft_qkv);
+  m.impl("draft_attend_route", &draft_attend_route);
+}
