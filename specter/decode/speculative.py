@@ -233,9 +233,9 @@ class SpecterEngine(PrefetchingEngine):
             current = token
             for step in range(steps):
                 if step == k:  # routing-only step over the last drafted token
-                    self._draft_logits(current, kv, logits=False)
+                    self._draft_logits(current, kv, logits=False, ahead=step)
                     break
-                logits = self._draft_logits(current, kv)
+                logits = self._draft_logits(current, kv, ahead=step)
                 if self.sampling.greedy:
                     current = int(logits.argmax())
                 else:
@@ -245,15 +245,16 @@ class SpecterEngine(PrefetchingEngine):
                 drafted.append(current)
         return drafted, (torch.stack(probs) if probs else None)
 
-    def _draft_logits(self, token: int, kv, logits: bool = True) -> torch.Tensor | None:
-        """One draft step over ``token``: fp32 logits [V]. The lean step where the engine has one
-        (``specter.compile.lean_draft``: eager engines where the model allows, compiled ones on a
-        CPU as well), else a compiled engine's draft graph, else the model's own forward with the
-        INT4 experts switched in. ``logits=False``: the step is run for its routing only; the lean
-        step then skips the LM head (and returns None)."""
+    def _draft_logits(self, token: int, kv, logits: bool = True, ahead: int = 0) -> torch.Tensor | None:
+        """One draft step over ``token``, the round's ``ahead``-th: fp32 logits [V]. The lean step
+        where the engine has one (``specter.compile.lean_draft``: eager engines where the model
+        allows, compiled ones on a CPU as well; it may hold the round's K/V beside ``kv``), else a
+        compiled engine's draft graph, else the model's own forward with the INT4 experts switched
+        in (both append to ``kv``). ``logits=False``: the step is run for its routing only; the
+        lean step then skips the LM head (and returns None)."""
         lean = self.lean_step
         if lean is not None:
-            return lean.step(token, kv, logits=logits)
+            return lean.step(token, kv, logits=logits, ahead=ahead)
         return self.forward_logits(torch.tensor([[token]], device=self.device), kv)[-1]
 
     @property

@@ -57,7 +57,7 @@ def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, path, 
         monkeypatch.setattr(lean_draft, "NATIVE_MIN_ROWS", 1)
         for name in ("grouped_rows", "normed_rows", "draft_qkv", "draft_attend_route"):
             real = getattr(native_rows, name)
-            monkeypatch.setattr(native_rows, name, lambda *args, real=real: calls.append(1) or real(*args))
+            monkeypatch.setattr(native_rows, name, lambda *args, real=real, **kw: calls.append(1) or real(*args, **kw))
     else:
         monkeypatch.setattr(native, "available", lambda: False)
     engine = build(checkpoints[arch])
@@ -99,6 +99,30 @@ def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, path, 
             assert torch.equal(index, index2)
             torch.testing.assert_close(hidden, hidden2, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(weights, weights2, rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("arch", ("mixtral", "qwen3_moe"))
+def test_steps_ahead_of_the_cache_hold_their_kv_beside_it_with_the_same_logits(arch, checkpoints):
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    engine = build(checkpoints[arch])
+    try:
+        step = engine.lean_draft
+        assert step.native_layers
+        kv = engine.new_kv_cache()
+        with torch.inference_mode(), engine.runtime.drafting():
+            engine.forward_logits(torch.tensor([PROMPT]), kv)
+            for first_round in (True, False):  # a second round after the cache grew, past the buffers' first size
+                tokens = [5, 77, 12, 200] if first_round else [9, 3, 44, 18, 250, 61, 7, 30, 2, 90, 11, 6, 8, 71, 4, 19, 23]
+                base = kv.get_seq_length()
+                appended = torch.stack([step.step(token, kv) for token in tokens])
+                crop_to(kv, base)
+                beside = torch.stack([step.step(token, kv, ahead=i) for i, token in enumerate(tokens)])
+                assert kv.get_seq_length() == base  # the cache is left as it was
+                torch.testing.assert_close(beside, appended, rtol=1e-6, atol=1e-6)
+                engine.forward_logits(torch.tensor([tokens[:3]]), kv)
     finally:
         engine.close()
 

@@ -81,6 +81,22 @@ def test_draft_attend_route_attends_the_first_positions_of_a_strided_cache(lengt
 
 
 @needs_native
+@pytest.mark.parametrize("more_length", [0, 1, 5])
+def test_draft_attend_route_attends_a_second_run_of_positions_after_the_first(more_length: int) -> None:
+    gen = torch.Generator().manual_seed(13)
+    w = layer(gen)
+    cache = torch.randn(2, 1, KV_HEADS, 9, HEAD_DIM, generator=gen)  # a model's cache: 9 positions
+    more = torch.randn(2, 1, KV_HEADS, 16, HEAD_DIM, generator=gen)  # the draft's own, beside it
+    q, h = torch.randn(HEADS, HEAD_DIM, generator=gen), torch.randn(1, HIDDEN, generator=gen)
+    args = (h, w["o"], w["post_norm"], w["router"], 1e-5, HEAD_DIM ** -0.5)
+    got = native_rows.draft_attend_route(q, cache[0], cache[1], 9, *args, more=(more[0], more[1], more_length))
+    joined = torch.cat([cache, more[:, :, :, :more_length]], dim=3)  # the same positions in one cache
+    expected = native_rows.draft_attend_route(q, joined[0].contiguous(), joined[1].contiguous(), 9 + more_length, *args)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
 def test_the_draft_layer_ops_refuse_what_they_cannot_compute() -> None:
     gen = torch.Generator().manual_seed(2)
     w, (cos, signed_sin) = layer(gen), rotary(gen)
@@ -91,10 +107,13 @@ def test_the_draft_layer_ops_refuse_what_they_cannot_compute() -> None:
         native_rows.draft_qkv(h, w["input_norm"], w["q"], w["k"], w["v"][:8], None, None, cos, signed_sin, HEAD_DIM, 1e-5)
     cache = torch.randn(1, KV_HEADS, 8, HEAD_DIM)
     q = torch.randn(HEADS, HEAD_DIM)
-    with pytest.raises(RuntimeError, match="length must be in 1..L"):
+    with pytest.raises(RuntimeError, match="at most its cache's L"):
         native_rows.draft_attend_route(q, cache, cache, 9, h, w["o"], w["post_norm"], w["router"], 1e-5, 0.25)
     with pytest.raises(RuntimeError, match="multiple of nKV"):
         native_rows.draft_attend_route(q[:3], cache, cache, 4, h, w["o"], w["post_norm"], w["router"], 1e-5, 0.25)
+    with pytest.raises(RuntimeError, match="more_keys and more_values"):
+        native_rows.draft_attend_route(q, cache, cache, 4, h, w["o"], w["post_norm"], w["router"], 1e-5, 0.25,
+                                       more=(cache, cache[:, :, :4], 2))
     with pytest.raises(RuntimeError, match="last dimension dense"):
         native_rows.draft_attend_route(q, cache.transpose(2, 3), cache.transpose(2, 3), 4, h, w["o"], w["post_norm"],
                                        w["router"], 1e-5, 0.25)

@@ -6,11 +6,13 @@
 //     -> (q [nH, d], k [nKV, d], v [nKV, d]): the RMS-normed row through q, k and v; q and k
 //     per-head RMS-normed where q_norm / k_norm have d values; q and k rotated:
 //     x * cos + roll(x, d/2) * signed_sin.
-//   draft_attend_route(q [nH, d], keys [1, nKV, >=L, d], values (same), L, h [1, H], wo [H, nH*d],
-//             post_norm [H], router [E, H], eps, scale)
+//   draft_attend_route(q [nH, d], keys [1, nKV, >=L, d], values (same), L, more_keys [1, nKV, >=M,
+//             d], more_values (same), M, h [1, H], wo [H, nH*d], post_norm [H], router [E, H], eps,
+//             scale)
 //     -> (h + o(attention) [1, H], its RMS norm x [1, H], router logits [1, E]): q attends the
-//     cache's first L positions (any strides but the last; head n reads kv head n / (nH / nKV)),
-//     softmax in float32 with the row maximum subtracted.
+//     cache's first L positions, then the first M of `more` (M = 0: none; the draft's own
+//     positions of a round, kept beside the model's cache), any strides but the last; head n
+//     reads kv head n / (nH / nKV); softmax in float32 with the maximum subtracted.
 // Everything float32, contiguous but the cache; H, nH*d multiples of 16, d a multiple of 8. The
 // weights are read once each through the row kernels' dot products (rows_math.h); the rest is a
 // few microseconds of arithmetic that were 20-odd PyTorch ops a layer.
@@ -60,6 +62,28 @@ void norm_and_rotate(float* rows, int64_t heads, int64_t d, const at::Tensor& no
   }
 }
 
+// A cache's [1, nKV, >= length, d] keys and values: float32, the same shape and strides, the last
+// dimension dense.
+void check_cache(const at::Tensor& keys, const at::Tensor& values, int64_t length, int64_t d, const char* what) {
+  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(3) == d && keys.stride(3) == 1 &&
+                  keys.scalar_type() == at::kFloat && values.sizes() == keys.sizes() &&
+                  values.strides() == keys.strides() && values.scalar_type() == at::kFloat,
+              "draft_attend_route: ", what, " must be float32 [1, nKV, L, d] alike, the last dimension dense");
+  TORCH_CHECK(length <= keys.size(2), "draft_attend_route: a length must be at most its cache's L");
+}
+
+// One kv head's positions in a cache: position l at base + l * stride.
+struct HeadRows {
+  const float* base = nullptr;
+  int64_t stride = 0;
+  const float* at(int64_t l) const { return base + l * stride; }
+};
+
+HeadRows head_rows(const at::Tensor& cache, int64_t head, int64_t length) {
+  if (!length) return {};
+  return {cache.data_ptr<float>() + head * cache.stride(1), cache.stride(2)};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_qkv(
@@ -97,18 +121,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_qkv(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_attend_route(
-    const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t length, const at::Tensor& h,
-    const at::Tensor& wo, const at::Tensor& post_norm, const at::Tensor& router, double eps, double scale) {
+    const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t length, const at::Tensor& more_keys,
+    const at::Tensor& more_values, int64_t more_length, const at::Tensor& h, const at::Tensor& wo,
+    const at::Tensor& post_norm, const at::Tensor& router, double eps, double scale) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "draft_attend_route: q must be a contiguous float32 [nH, d] tensor");
   const int64_t n_heads = q.size(0), d = q.size(1);
-  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(3) == d && keys.stride(3) == 1 &&
-                  keys.scalar_type() == at::kFloat && values.sizes() == keys.sizes() &&
-                  values.strides() == keys.strides() && values.scalar_type() == at::kFloat,
-              "draft_attend_route: keys and values must be float32 [1, nKV, L, d] alike, the last dimension dense");
+  check_cache(keys, values, length, d, "keys and values");
   const int64_t n_kv = keys.size(1);
   TORCH_CHECK(n_kv > 0 && n_heads % n_kv == 0, "draft_attend_route: nH must be a multiple of nKV");
-  TORCH_CHECK(length > 0 && length <= keys.size(2), "draft_attend_route: length must be in 1..L");
+  TORCH_CHECK(length > 0, "draft_attend_route: length must be at least 1");
+  if (more_length) {
+    check_cache(more_keys, more_values, more_length, d, "more_keys and more_values");
+    TORCH_CHECK(more_keys.size(1) == n_kv, "draft_attend_route: more_keys must have the cache's nKV heads");
+  }
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.scalar_type() == at::kFloat && h.is_contiguous(),
               "draft_attend_route: h must be a contiguous float32 [1, H] tensor");
   const int64_t hidden = h.size(1), width = n_heads * d;
@@ -118,29 +144,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_attend_route(
   check_vector(post_norm, hidden, "post_norm");
   check_row_weight(router, hidden, "router");
 
-  const int64_t group = n_heads / n_kv, head_stride = keys.stride(1), pos_stride = keys.stride(2);
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
+  const int64_t group = n_heads / n_kv, total_length = length + more_length;
   const float* qp = q.data_ptr<float>();
-  std::vector<float> attended(width, 0.0f), scores(length);
+  std::vector<float> attended(width, 0.0f), scores(total_length);
   for (int64_t n = 0; n < n_heads; ++n) {
     const float* qn = qp + n * d;
-    const float* kh = kp + (n / group) * head_stride;
-    const float* vh = vp + (n / group) * head_stride;
+    const int64_t head = n / group;
+    const HeadRows k_rows = head_rows(keys, head, length), more_k_rows = head_rows(more_keys, head, more_length);
+    const HeadRows v_rows = head_rows(values, head, length), more_v_rows = head_rows(more_values, head, more_length);
     float top = -INFINITY;
-    for (int64_t l = 0; l < length; ++l) {
-      const float* kl = kh + l * pos_stride;
+    for (int64_t l = 0; l < total_length; ++l) {
+      const float* kl = l < length ? k_rows.at(l) : more_k_rows.at(l - length);
       __m256 acc = _mm256_setzero_ps();
       for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qn + i), _mm256_loadu_ps(kl + i), acc);
       scores[l] = specter_rows::hsum(acc) * static_cast<float>(scale);
       top = std::max(top, scores[l]);
     }
     float total = 0.0f;
-    for (int64_t l = 0; l < length; ++l) total += (scores[l] = std::exp(scores[l] - top));
+    for (int64_t l = 0; l < total_length; ++l) total += (scores[l] = std::exp(scores[l] - top));
     float* out = attended.data() + n * d;
-    for (int64_t l = 0; l < length; ++l) {
+    for (int64_t l = 0; l < total_length; ++l) {
       const __m256 p = _mm256_set1_ps(scores[l] / total);
-      const float* vl = vh + l * pos_stride;
+      const float* vl = l < length ? v_rows.at(l) : more_v_rows.at(l - length);
       for (int64_t i = 0; i < d; i += 8)
         _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + i), _mm256_loadu_ps(out + i)));
     }
@@ -160,8 +185,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_attend_route(
 TORCH_LIBRARY_FRAGMENT(specter_native, m) {
   m.def("draft_qkv(Tensor h, Tensor input_norm, Tensor wq, Tensor wk, Tensor wv, Tensor q_norm, Tensor k_norm, "
         "Tensor cos, Tensor signed_sin, int head_dim, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def("draft_attend_route(Tensor q, Tensor keys, Tensor values, int length, Tensor h, Tensor wo, "
-        "Tensor post_norm, Tensor router, float eps, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("draft_attend_route(Tensor q, Tensor keys, Tensor values, int length, Tensor more_keys, Tensor more_values, "
+        "int more_length, Tensor h, Tensor wo, Tensor post_norm, Tensor router, float eps, float scale) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
