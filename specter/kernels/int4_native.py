@@ -25,7 +25,7 @@ come from memory, ``scripts/int4_kernels.py``, 2026-12-03): an [8192, 256] weigh
 against 0.129-0.133 ms for PyTorch's ``_weight_int4pack_mm_for_cpu``, [256, 4096] 0.045-0.050 ms
 against 0.067-0.069 ms. Short rows (K <= 1024) go four weight rows at a time against each
 activation chunk (0.072-0.088 against 0.080-0.109 ms one row at a time, four alternating runs);
-a row's result is the same either way. Each weight line is prefetched 1 KiB ahead of its use
+a row's result is the same either way. Each weight line is prefetched 2 KiB ahead of its use
 (``kPrefetchBytes``): on a 2-core Xeon VM (2026-12-04, one thread, 40 layers' experts cycled) a
 token's two widened experts took 0.52-0.56 ms without, 0.39-0.42 ms with, and the engines' draft
 step 3.84-4.25 ms without, 3.16-3.56 ms with (widened model, 50% of the experts; design notes, stop 42).
