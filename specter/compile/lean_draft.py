@@ -28,7 +28,7 @@ difference could cost acceptance but never change an emitted token; verification
 the model's own forward. On a CPU in float32, for models without attention biases (``native_layers``),
 a layer's attention half is two native calls around the K/V append (``native_rows.draft_qkv``:
 the input norm, q, k and v, per-head norms, rotation; ``native_rows.draft_attend_route``: one
-query attending the cache, o, the residual, the post-attention norm, the router), where it was
+query attending the cache, o, the residual, the post-attention norm, the router and its top-k), where it was
 some 25 PyTorch ops: widened model, one thread, an eager engine toggled per run in one process,
 eight runs each (``/tmp`` script, 2026-12-05), 50% on ``local``, k = 8: draft step 2.79 against
 3.11 ms, 116.8 against 112.5 tok/s; 25% on ``local``, k = 4: 2.76 against 3.12 ms, 100.2 against
@@ -151,10 +151,10 @@ class LeanDraftStep:
         return q, k, v
 
     def _native_attention(self, layer: int, w, h: Tensor, cos: Tensor, signed_sin: Tensor, kv, position: int,
-                          static: bool, ahead: int | None) -> tuple[Tensor, Tensor, Tensor]:
+                          static: bool, ahead: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """A layer's attention half through ``native_rows.draft_qkv`` and ``draft_attend_route``,
         the K/V written between them (into ``kv``, or beside it at ``ahead``: see ``step``): (h
-        after attention [1, H], expert input [1, H], router logits [1, E])."""
+        after attention [1, H], expert input [1, H], top_k_weights [1, k], top_k_index [1, k])."""
         arch = self.arch
         q, k, v = native_rows.draft_qkv(h, w.input_norm, w.q, w.k, w.v, w.q_norm, w.k_norm, cos.view(-1),
                                         signed_sin.view(-1), arch.head_dim, arch.eps)  # [nH, d], [nKV, d] x 2
@@ -173,8 +173,8 @@ class LeanDraftStep:
         else:
             keys, values = kv.update(k[None, :, None], v[None, :, None], layer)  # [1, nKV, L, d]
             length = position + 1
-        return native_rows.draft_attend_route(q, keys, values, length, h, w.o, w.post_norm, w.router,
-                                              arch.eps, arch.scaling, more=more)
+        return native_rows.draft_attend_route(q, keys, values, length, h, w.o, w.post_norm, w.router, arch.eps,
+                                              arch.scaling, arch.top_k, arch.renormalize, more=more)
 
     def _beside_kv(self, layer: int, positions: int) -> tuple[Tensor, Tensor]:
         """The layer's K/V buffers [1, nKV, >= positions, d] for a round's own positions, grown
@@ -207,8 +207,8 @@ class LeanDraftStep:
         h = self.embed[token][None]  # [1, H]
         for layer, w in enumerate(self.weights):
             if self.native_layers:
-                h, x, router_logits = self._native_attention(layer, w, h, cos, sin, kv, position, static, ahead)
-                top_k_weights, top_k_index = select_experts(arch, router_logits)  # [1, k]
+                h, x, top_k_weights, top_k_index = self._native_attention(layer, w, h, cos, sin, kv, position,
+                                                                          static, ahead)  # [1, k]
                 h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
                 continue
             q, k, v = self._queries_keys_values(w, h, cos, sin)

@@ -73,11 +73,12 @@ def draft_qkv(h: Tensor, input_norm: Tensor, q: Tensor, k: Tensor, v: Tensor, q_
 
 
 def draft_attend_route(q: Tensor, keys: Tensor, values: Tensor, length: int, h: Tensor, o: Tensor,
-                       post_norm: Tensor, router: Tensor, eps: float, scale: float,
-                       more: tuple[Tensor, Tensor, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                       post_norm: Tensor, router: Tensor, eps: float, scale: float, top_k: int, renormalize: bool,
+                       more: tuple[Tensor, Tensor, int] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Attention over the cache's first ``length`` positions (then ``more``'s: (keys, values,
     length), e.g. the draft's own positions of a round), o, the residual, the post-attention norm
-    and the router logits for one token (see the module docstring)."""
+    and the router's choice of experts for one token (see the module docstring)."""
     more_keys, more_values, more_length = more if more is not None else (keys, values, 0)
     return torch.ops.specter_native.draft_attend_route(q, keys, values, length, more_keys, more_values, more_length,
-                                                       h.contiguous(), o, post_norm, router, eps, scale)
+                                                       h.contiguous(), o, post_norm, router, eps, scale, top_k,
+                                                       renormalize)

@@ -1,6 +1,6 @@
 """The lean draft step's native layer half (``native_rows.draft_qkv`` / ``draft_attend_route``):
 a float64 reference of the same math (norms, projections, per-head norms, rotation, one query
-attending a cache with GQA and strided positions, o, residual, post-norm, router) to float32
+attending a cache with GQA and strided positions, o, residual, post-norm, router top-k) to float32
 rounding; what the ops refuse; when they serve."""
 
 from __future__ import annotations
@@ -60,16 +60,17 @@ def test_draft_qkv_is_the_normed_projections_per_head_norms_and_rotation(head_no
 
 
 @needs_native
-@pytest.mark.parametrize("length", [1, 7, 40])
-def test_draft_attend_route_attends_the_first_positions_of_a_strided_cache(length: int) -> None:
+@pytest.mark.parametrize("length, renormalize", [(1, True), (7, False), (40, True)])
+def test_draft_attend_route_attends_the_first_positions_of_a_strided_cache_and_routes(length: int,
+                                                                                     renormalize: bool) -> None:
     gen = torch.Generator().manual_seed(11)
     w = layer(gen)
     buffers = torch.randn(2, 1, KV_HEADS, 64, HEAD_DIM, generator=gen)  # [K|V, 1, nKV, max_len, d]: a static cache
     buffers[:, :, :, length:] = float("nan")  # positions past `length` must not be read
     keys, values = buffers[0], buffers[1]
     q, h = torch.randn(HEADS, HEAD_DIM, generator=gen), torch.randn(1, HIDDEN, generator=gen)
-    h_out, x, logits = native_rows.draft_attend_route(q, keys, values, length, h, w["o"], w["post_norm"], w["router"],
-                                                      1e-5, HEAD_DIM ** -0.5)
+    h_out, x, weights, index = native_rows.draft_attend_route(
+        q, keys, values, length, h, w["o"], w["post_norm"], w["router"], 1e-5, HEAD_DIM ** -0.5, 2, renormalize)
     attended = F.scaled_dot_product_attention(
         q.double()[None, :, None], keys[:, :, :length].double(), values[:, :, :length].double(),
         scale=HEAD_DIM ** -0.5, enable_gqa=True)  # [1, nH, 1, d]
@@ -77,7 +78,11 @@ def test_draft_attend_route_attends_the_first_positions_of_a_strided_cache(lengt
     expected_x = F.rms_norm(expected_h, (HIDDEN,), w["post_norm"].double(), 1e-5)
     torch.testing.assert_close(h_out.double(), expected_h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.double(), expected_x, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logits.double(), expected_x @ w["router"].double().T, rtol=1e-5, atol=1e-5)
+    expected_weights, expected_index = torch.topk(torch.softmax(expected_x @ w["router"].double().T, -1), 2)
+    if renormalize:
+        expected_weights = expected_weights / expected_weights.sum(-1, keepdim=True)
+    assert torch.equal(index, expected_index) and index.dtype == torch.long and weights.dtype == torch.float32
+    torch.testing.assert_close(weights.double(), expected_weights, rtol=1e-5, atol=1e-6)
 
 
 @needs_native
@@ -88,12 +93,12 @@ def test_draft_attend_route_attends_a_second_run_of_positions_after_the_first(mo
     cache = torch.randn(2, 1, KV_HEADS, 9, HEAD_DIM, generator=gen)  # a model's cache: 9 positions
     more = torch.randn(2, 1, KV_HEADS, 16, HEAD_DIM, generator=gen)  # the draft's own, beside it
     q, h = torch.randn(HEADS, HEAD_DIM, generator=gen), torch.randn(1, HIDDEN, generator=gen)
-    args = (h, w["o"], w["post_norm"], w["router"], 1e-5, HEAD_DIM ** -0.5)
+    args = (h, w["o"], w["post_norm"], w["router"], 1e-5, HEAD_DIM ** -0.5, 3, True)
     got = native_rows.draft_attend_route(q, cache[0], cache[1], 9, *args, more=(more[0], more[1], more_length))
     joined = torch.cat([cache, more[:, :, :, :more_length]], dim=3)  # the same positions in one cache
     expected = native_rows.draft_attend_route(q, joined[0].contiguous(), joined[1].contiguous(), 9 + more_length, *args)
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # the expert ids exactly
 
 
 @needs_native
@@ -108,15 +113,18 @@ def test_the_draft_layer_ops_refuse_what_they_cannot_compute() -> None:
     cache = torch.randn(1, KV_HEADS, 8, HEAD_DIM)
     q = torch.randn(HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match="at most its cache's L"):
-        native_rows.draft_attend_route(q, cache, cache, 9, h, w["o"], w["post_norm"], w["router"], 1e-5, 0.25)
-    with pytest.raises(RuntimeError, match="multiple of nKV"):
-        native_rows.draft_attend_route(q[:3], cache, cache, 4, h, w["o"], w["post_norm"], w["router"], 1e-5, 0.25)
-    with pytest.raises(RuntimeError, match="more_keys and more_values"):
+        native_rows.draft_attend_route(q, cache, cache, 9, h, w["o"], w["post_norm"], w["router"], 1e-5, 0.25, 2, True)
+    with pytest.raises(RuntimeError, match="top_k must be in 1..E"):
         native_rows.draft_attend_route(q, cache, cache, 4, h, w["o"], w["post_norm"], w["router"], 1e-5, 0.25,
+                                       EXPERTS + 1, True)
+    with pytest.raises(RuntimeError, match="multiple of nKV"):
+        native_rows.draft_attend_route(q[:3], cache, cache, 4, h, w["o"], w["post_norm"], w["router"], 1e-5, 0.25, 2, True)
+    with pytest.raises(RuntimeError, match="more_keys and more_values"):
+        native_rows.draft_attend_route(q, cache, cache, 4, h, w["o"], w["post_norm"], w["router"], 1e-5, 0.25, 2, True,
                                        more=(cache, cache[:, :, :4], 2))
     with pytest.raises(RuntimeError, match="last dimension dense"):
         native_rows.draft_attend_route(q, cache.transpose(2, 3), cache.transpose(2, 3), 4, h, w["o"], w["post_norm"],
-                                       w["router"], 1e-5, 0.25)
+                                       w["router"], 1e-5, 0.25, 2, True)
 
 
 def test_layer_serves_needs_whole_vectors_per_head_and_the_row_kernels(monkeypatch) -> None:

@@ -8,8 +8,10 @@
 //     x * cos + roll(x, d/2) * signed_sin.
 //   draft_attend_route(q [nH, d], keys [1, nKV, >=L, d], values (same), L, more_keys [1, nKV, >=M,
 //             d], more_values (same), M, h [1, H], wo [H, nH*d], post_norm [H], router [E, H], eps,
-//             scale)
-//     -> (h + o(attention) [1, H], its RMS norm x [1, H], router logits [1, E]): q attends the
+//             scale, top_k, renormalize)
+//     -> (h + o(attention) [1, H], its RMS norm x [1, H], top_k_weights [1, top_k] float32,
+//     top_k_index [1, top_k] int64: the softmax of the router logits' top_k largest, largest
+//     first, divided by their sum where `renormalize`, as the model's router): q attends the
 //     cache's first L positions, then the first M of `more` (M = 0: none; the draft's own
 //     positions of a round, kept beside the model's cache), any strides but the last; head n
 //     reads kv head n / (nH / nKV); softmax in float32 with the maximum subtracted.
@@ -84,6 +86,28 @@ HeadRows head_rows(const at::Tensor& cache, int64_t head, int64_t length) {
   return {cache.data_ptr<float>() + head * cache.stride(1), cache.stride(2)};
 }
 
+// logits -> softmax in place; the top_k largest probabilities, largest first (the lower index
+// first among equals), divided by their sum where `renormalize`.
+void select_top(std::vector<float>& logits, int64_t top_k, bool renormalize, float* weights, int64_t* index) {
+  const float top = *std::max_element(logits.begin(), logits.end());
+  float total = 0.0f;
+  for (float& v : logits) total += (v = std::exp(v - top));
+  for (float& v : logits) v /= total;
+  std::vector<bool> taken(logits.size(), false);
+  float chosen = 0.0f;
+  for (int64_t j = 0; j < top_k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < static_cast<int64_t>(logits.size()); ++e)
+      if (!taken[e] && (best < 0 || logits[e] > logits[best])) best = e;
+    taken[best] = true;
+    index[j] = best;
+    weights[j] = logits[best];
+    chosen += logits[best];
+  }
+  if (renormalize)
+    for (int64_t j = 0; j < top_k; ++j) weights[j] /= chosen;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_qkv(
@@ -120,10 +144,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_qkv(
   return {q, k, v};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_attend_route(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_attend_route(
     const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t length, const at::Tensor& more_keys,
     const at::Tensor& more_values, int64_t more_length, const at::Tensor& h, const at::Tensor& wo,
-    const at::Tensor& post_norm, const at::Tensor& router, double eps, double scale) {
+    const at::Tensor& post_norm, const at::Tensor& router, double eps, double scale, int64_t top_k, bool renormalize) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "draft_attend_route: q must be a contiguous float32 [nH, d] tensor");
   const int64_t n_heads = q.size(0), d = q.size(1);
@@ -143,6 +167,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_attend_route(
   TORCH_CHECK(wo.size(0) == hidden, "draft_attend_route: wo must be [H, nH*d]");
   check_vector(post_norm, hidden, "post_norm");
   check_row_weight(router, hidden, "router");
+  const int64_t experts = router.size(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "draft_attend_route: top_k must be in 1..E");
 
   const int64_t group = n_heads / n_kv, total_length = length + more_length;
   const float* qp = q.data_ptr<float>();
@@ -172,22 +198,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_attend_route(
   }
   auto h_out = at::empty({1, hidden}, h.options());
   auto x = at::empty({1, hidden}, h.options());
-  auto logits = at::empty({1, router.size(0)}, h.options());
   float* hp = h_out.data_ptr<float>();
   rows_of(wo, attended.data(), hp);
   const float* hin = h.data_ptr<float>();
   for (int64_t i = 0; i < hidden; ++i) hp[i] += hin[i];
   rms_norm_row(hp, post_norm.data_ptr<float>(), hidden, eps, x.data_ptr<float>());
-  rows_of(router, x.data_ptr<float>(), logits.data_ptr<float>());
-  return {h_out, x, logits};
+  std::vector<float> probs(experts);
+  rows_of(router, x.data_ptr<float>(), probs.data());
+  auto weights = at::empty({1, top_k}, h.options());
+  auto index = at::empty({1, top_k}, h.options().dtype(at::kLong));
+  select_top(probs, top_k, renormalize, weights.data_ptr<float>(), index.data_ptr<int64_t>());
+  return {h_out, x, weights, index};
 }
 
 TORCH_LIBRARY_FRAGMENT(specter_native, m) {
   m.def("draft_qkv(Tensor h, Tensor input_norm, Tensor wq, Tensor wk, Tensor wv, Tensor q_norm, Tensor k_norm, "
         "Tensor cos, Tensor signed_sin, int head_dim, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("draft_attend_route(Tensor q, Tensor keys, Tensor values, int length, Tensor more_keys, Tensor more_values, "
-        "int more_length, Tensor h, Tensor wo, Tensor post_norm, Tensor router, float eps, float scale) "
-        "-> (Tensor, Tensor, Tensor)");
+        "int more_length, Tensor h, Tensor wo, Tensor post_norm, Tensor router, float eps, float scale, int top_k, "
+        "bool renormalize) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
