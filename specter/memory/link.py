@@ -100,14 +100,18 @@ def transfer_nbytes(src: Tensors) -> int:
 
 
 def copy_all(dst: Tensors, src: Tensors, non_blocking: bool = False) -> None:
-    """``dst[name].copy_(src[name])`` for every name; large CPU-to-CPU copies stream
-    (``specter.memory.stream_copy``)."""
+    """``dst[name].copy_(src[name])`` for every name; large CPU-to-CPU copies stream, all of them
+    in one native call (``specter.memory.stream_copy.copy_many``)."""
+    streamed_dst, streamed_src = [], []
     for name, tensor in src.items():
         target = dst[name]
         if stream_copy.serves(target, tensor):
-            stream_copy.copy(target, tensor)
+            streamed_dst.append(target)
+            streamed_src.append(tensor)
         else:
             target.copy_(tensor, non_blocking=non_blocking)
+    if streamed_src:
+        stream_copy.copy_many(streamed_dst, streamed_src)
 
 
 class CompletedTransfer(Transfer):

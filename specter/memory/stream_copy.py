@@ -5,7 +5,9 @@ Contract:
   contiguous, the same dtype and shape, at least ``MIN_BYTES``, and Specter's native kernels
   available (``specter.native``).
 - ``copy(dst, src)``: ``dst.copy_(src)`` through the native op (``serves`` must hold); the bytes
-  are equal, the destination is written around the caches.
+  are equal, the destination is written around the caches. ``copy_many(dsts, srcs)``: the same
+  for several pairs, one after another, in one native call (a copy thread takes Python's lock
+  back once, not once a tensor).
 - ``paced_copy(dst, src, seconds)``: the same copy (or copies: lists of tensors, one after another)
   in 256 KiB pieces spread over ``seconds`` from the call (a piece starts no earlier than its
   offset's share of all the bytes times ``seconds``, at once when behind), in one native call,
@@ -41,6 +43,10 @@ def serves(dst: Tensor, src: Tensor) -> bool:
 
 def copy(dst: Tensor, src: Tensor) -> None:
     torch.ops.specter_native.stream_copy(dst, src)
+
+
+def copy_many(dst: list[Tensor], src: list[Tensor]) -> None:
+    torch.ops.specter_native.paced_copy(dst, src, 0.0)  # no time to spread over: every piece streams
 
 
 def paced_copy(dst: Tensor | list[Tensor], src: Tensor | list[Tensor], seconds: float) -> None:

@@ -40,14 +40,15 @@ def test_serves_large_contiguous_host_copies_of_one_dtype() -> None:
 
 
 @needs_native
-def test_copy_all_streams_large_copies_and_copies_small_ones(monkeypatch) -> None:
+def test_copy_all_streams_every_large_copy_in_one_call_and_copies_small_ones(monkeypatch) -> None:
     calls = []
-    real = stream_copy.copy
-    monkeypatch.setattr(stream_copy, "copy", lambda dst, src: (calls.append(src.numel()), real(dst, src)))
-    src = {"big": torch.randn(1 << 19), "small": torch.randn(64)}
+    real = stream_copy.copy_many
+    monkeypatch.setattr(stream_copy, "copy_many",
+                        lambda dst, src: (calls.append([t.numel() for t in src]), real(dst, src)))
+    src = {"big": torch.randn(1 << 19), "small": torch.randn(64), "bigger": torch.randn(3 << 18)}
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     copy_all(dst, src)
-    assert calls == [1 << 19]
+    assert calls == [[1 << 19, 3 << 18]]  # one native call for both large tensors
     assert all(torch.equal(dst[name], src[name]) for name in src)
 
 
