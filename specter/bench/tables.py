@@ -250,6 +250,11 @@ def governor_section(bench: dict) -> list[str]:
         if summary.get("table") and key not in tables:
             tables[key] = row
     lines = _rows_table(GOVERNOR_COLUMNS, out)
+    if tables:
+        lines += ["", "Each roofline table is the governor's prediction, when the run ended, for a round at the place in "
+                      "its prompt where the last one stopped: usually past a prompt's first rounds, whose transfer waits "
+                      "are longer (the prefill left its own experts in the cache), so it may promise more tokens/s than "
+                      "the run made."]
     for row in tables.values():
         entries = [e for e in row["governor_summary"]["table"] if isinstance(e, dict)]
         lines += ["", f"Roofline table of {row.get('label') or row.get('engine') or '?'} ({_where(row)}):", ""]

@@ -155,6 +155,9 @@ def test_governor_section(bench):
                                                            for mode in ("eager", "compiled")}
     captions = [line for line in lines if line.startswith("Roofline table of")]
     assert captions[0] == "Roofline table of specter roofline (25% / slow / eager):" and len(captions) == 4
+    # what the tables are (the state at the run's end), said once before them
+    said = [i for i, line in enumerate(lines) if line.startswith("Each roofline table is the governor's prediction")]
+    assert len(said) == 1 and said[0] < lines.index(captions[0])
     first = lines[lines.index(captions[0]):]
     k3 = next(line for line in first if line.startswith("| 3 |"))
     accepted = 4 * (1 - 0.8**3)
