@@ -265,6 +265,8 @@ class CompiledDecoder:
         if self._draft_experts is None:
             raise SpecterError("compile: draft mode without draft experts (CompiledDecoder.set_draft)")
         self.stats.draft_steps += 1
+        if self.lean_step is not None:
+            return self.lean_step.step(int(tokens[0]), kv)[None]
 
         def graph_inputs() -> tuple[Tensor, Tensor, Tensor]:
             return tokens, torch.arange(start, start + 1, device=self.device), self._span(start + 1)
@@ -281,8 +283,6 @@ class CompiledDecoder:
         def layered() -> Tensor:  # compiled attention with the INT4 experts eagerly
             return self._layered_logits(*graph_inputs(), kv, host=self.host_experts)
 
-        if self.lean_step is not None:
-            return self.lean_step.step(int(tokens[0]), kv)[None]
         held = self.chooser.held(DRAFT_KEY)  # a round's path, judged by the engine (begin_draft_round)
         if held is not None:
             return layered() if held == "layered" else fused()

@@ -160,13 +160,10 @@ class LeanDraftStep:
                                         signed_sin.view(-1), arch.head_dim, arch.eps)  # [nH, d], [nKV, d] x 2
         more = None
         if static:
-            kv.keys[layer].select(2, position).copy_(k)
-            kv.values[layer].select(2, position).copy_(v)
-            keys, values, length = kv.keys[layer], kv.values[layer], position + 1
+            keys, values = _write_at(kv.keys[layer], kv.values[layer], position, k, v)
+            length = position + 1
         elif ahead is not None:
-            beside_keys, beside_values = self._beside_kv(layer, ahead + 1)
-            beside_keys.select(2, ahead).copy_(k)
-            beside_values.select(2, ahead).copy_(v)
+            beside_keys, beside_values = _write_at(*self._beside_kv(layer, ahead + 1), ahead, k, v)
             cached = kv.layers[layer]
             keys, values, length = cached.keys, cached.values, position - ahead
             more = (beside_keys, beside_values, ahead + 1)
@@ -213,9 +210,8 @@ class LeanDraftStep:
                 continue
             q, k, v = self._queries_keys_values(w, h, cos, sin)
             if static:  # the compiled decoder's buffers [1, nKV, max_len, d]: write in place
-                kv.keys[layer].select(2, position).copy_(k)  # one view op each (indexing took four)
-                kv.values[layer].select(2, position).copy_(v)
-                keys, values = kv.keys[layer].narrow(2, 0, position + 1), kv.values[layer].narrow(2, 0, position + 1)
+                keys, values = _write_at(kv.keys[layer], kv.values[layer], position, k, v)
+                keys, values = keys.narrow(2, 0, position + 1), values.narrow(2, 0, position + 1)
             else:
                 keys, values = kv.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # [1, nKV, L, d]
             attended = F.scaled_dot_product_attention(
@@ -232,6 +228,14 @@ class LeanDraftStep:
             return None
         _, (logits_row,) = self._norm_project(h, self.final_norm, [self.lm_head], [self.lm_head_bias])
         return logits_row[0].float()
+
+
+def _write_at(keys: Tensor, values: Tensor, position: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """One position's K and V ([nKV, d] or [1, nKV, d]) written into K/V buffers [1, nKV, L, d],
+    in place (one view op each: indexing took four); returns the buffers."""
+    keys.select(2, position).copy_(k)
+    values.select(2, position).copy_(v)
+    return keys, values
 
 
 def use_lean_draft(engine) -> bool:

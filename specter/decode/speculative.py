@@ -8,7 +8,8 @@ Contract of one ``specter`` round (batch 1, one shared ``DynamicCache``):
    the target's own; a lean one-token step over the same weights where the model allows
    (``specter.compile.lean_draft``, given by the composition root; compiled engines take it on a
    CPU, elsewhere their draft graph) — runs k steps from the last
-   emitted token, appending temporary KV entries. Its routing at every (position, layer) fills
+   emitted token, appending temporary KV entries (the lean step on a transformers cache holds
+   them beside it instead, ``step(ahead=)``). Its routing at every (position, layer) fills
    the scheduler's lookahead buffer and prefetches start at once.
    With ``lookahead_last`` one more draft step runs over the k-th drafted token for its routing
    only, so every one of the k+1 verified positions has a prediction; engines skip it on a

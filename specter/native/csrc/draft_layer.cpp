@@ -52,13 +52,12 @@ void rows_of(const at::Tensor& w, const float* x, float* out) {
 
 // Each of `heads` rows of d values: RMS-normed by `norm` (when given), then rotated.
 void norm_and_rotate(float* rows, int64_t heads, int64_t d, const at::Tensor& norm, double eps, const float* cos,
-                     const float* signed_sin, bool rotate) {
+                     const float* signed_sin) {
   std::vector<float> row(d);
   const int64_t half = d / 2;
   for (int64_t n = 0; n < heads; ++n) {
     float* x = rows + n * d;
     if (norm.numel()) rms_norm_row(x, norm.data_ptr<float>(), d, eps, x);
-    if (!rotate) continue;
     std::copy(x, x + d, row.begin());
     for (int64_t i = 0; i < d; ++i) x[i] = row[i] * cos[i] + row[(i + half) % d] * signed_sin[i];
   }
@@ -139,8 +138,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_qkv(
   rows_of(wq, x.data(), q.data_ptr<float>());
   rows_of(wk, x.data(), k.data_ptr<float>());
   rows_of(wv, x.data(), v.data_ptr<float>());
-  norm_and_rotate(q.data_ptr<float>(), n_heads, d, q_norm, eps, cos.data_ptr<float>(), signed_sin.data_ptr<float>(), true);
-  norm_and_rotate(k.data_ptr<float>(), n_kv, d, k_norm, eps, cos.data_ptr<float>(), signed_sin.data_ptr<float>(), true);
+  norm_and_rotate(q.data_ptr<float>(), n_heads, d, q_norm, eps, cos.data_ptr<float>(), signed_sin.data_ptr<float>());
+  norm_and_rotate(k.data_ptr<float>(), n_kv, d, k_norm, eps, cos.data_ptr<float>(), signed_sin.data_ptr<float>());
   return {q, k, v};
 }
 
