@@ -13,8 +13,7 @@ from specter import native
 from specter.compile import decoder_math
 from specter.compile.decoder_math import FUSED_MAX_TOKENS, arch_of, linear
 from specter.kernels import native_rows
-
-needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+from specter.testing.marks import needs_native
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from specter import native
 from specter.kernels import native_rows
+from specter.testing.marks import needs_native
 
-needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS = 64, 4, 2, 16, 6
 

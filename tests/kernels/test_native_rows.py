@@ -8,8 +8,7 @@ import torch
 
 from specter import native
 from specter.kernels import native_rows
-
-needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+from specter.testing.marks import needs_native
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
