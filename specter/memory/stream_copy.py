@@ -4,10 +4,9 @@ Contract:
 - ``serves(dst, src) -> bool``: the native copy can do ``dst.copy_(src)``: both on the CPU,
   contiguous, the same dtype and shape, at least ``MIN_BYTES``, and Specter's native kernels
   available (``specter.native``).
-- ``copy(dst, src)``: ``dst.copy_(src)`` through the native op (``serves`` must hold); the bytes
-  are equal, the destination is written around the caches. ``copy_many(dsts, srcs)``: the same
-  for several pairs, one after another, in one native call (a copy thread takes Python's lock
-  back once, not once a tensor).
+- ``copy_many(dsts, srcs)``: ``dst.copy_(src)`` for each pair (``serves`` must hold for each),
+  one after another, in one native call (a copy thread takes Python's lock back once, not once a
+  tensor); the bytes are equal, the destinations are written around the caches.
 - ``paced_copy(dst, src, seconds)``: the same copy (or copies: lists of tensors, one after another)
   in 256 KiB pieces spread over ``seconds`` from the call (a piece starts no earlier than its
   offset's share of all the bytes times ``seconds``, at once when behind), in one native call,
@@ -41,12 +40,8 @@ def serves(dst: Tensor, src: Tensor) -> bool:
     return native.available()
 
 
-def copy(dst: Tensor, src: Tensor) -> None:
-    torch.ops.specter_native.stream_copy(dst, src)
-
-
 def copy_many(dst: list[Tensor], src: list[Tensor]) -> None:
-    torch.ops.specter_native.paced_copy(dst, src, 0.0)  # no time to spread over: every piece streams
+    torch.ops.specter_native.stream_copy(dst, src)
 
 
 def paced_copy(dst: Tensor | list[Tensor], src: Tensor | list[Tensor], seconds: float) -> None:

@@ -13,8 +13,7 @@ import torch
 from specter import native
 from specter.memory import stream_copy
 from specter.memory.link import copy_all
-
-needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+from specter.testing.marks import needs_native
 
 
 @needs_native
@@ -26,7 +25,7 @@ def test_copies_every_byte_at_any_alignment(numel: int, offset: int, dtype: torc
     src = torch.randint(0, 100, (numel,), generator=gen).to(dtype)
     buffer = torch.zeros(numel + offset, dtype=dtype)
     dst = buffer[offset:]  # contiguous, not 32-byte aligned when offset > 0
-    stream_copy.copy(dst, src)
+    stream_copy.copy_many([dst], [src])
     assert torch.equal(dst, src) and not buffer[:offset].any()
 
 

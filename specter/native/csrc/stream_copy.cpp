@@ -1,6 +1,7 @@
 // A large host-memory copy with non-temporal (streaming) stores, for the links' expert copies on a
-// CPU device. Contract (see specter/memory/stream_copy.py): stream_copy(dst, src) copies
-// src.nbytes() bytes of the contiguous src into the contiguous dst (same byte size). Streaming
+// CPU device. Contract (see specter/memory/stream_copy.py): stream_copy(dsts, srcs) copies each
+// contiguous src's nbytes() bytes into its contiguous dst (same byte size), one after another, in
+// one call (a copy thread takes Python's lock back once, not once a tensor). Streaming
 // stores write the destination without first reading it into the caches, so a 12 MiB expert
 // costs two passes over memory instead of three and does not evict what compute keeps cached.
 // paced_copy(dsts, srcs, seconds) does the same copies, one tensor after another, in PACE_PIECE
@@ -53,10 +54,12 @@ void stream_bytes(char* d, const char* s, int64_t n) {
 
 }  // namespace
 
-void stream_copy(at::Tensor dst, const at::Tensor& src) {
-  check_pair(dst, src, "stream_copy");
-  stream_bytes(static_cast<char*>(dst.data_ptr()), static_cast<const char*>(src.data_ptr()),
-               static_cast<int64_t>(src.nbytes()));
+void stream_copy(at::TensorList dst, at::TensorList src) {
+  TORCH_CHECK(dst.size() == src.size(), "stream_copy: as many destinations as sources");
+  for (size_t t = 0; t < src.size(); ++t) check_pair(dst[t], src[t], "stream_copy");
+  for (size_t t = 0; t < src.size(); ++t)
+    stream_bytes(static_cast<char*>(dst[t].data_ptr()), static_cast<const char*>(src[t].data_ptr()),
+                 static_cast<int64_t>(src[t].nbytes()));
 }
 
 void paced_copy(at::TensorList dst, at::TensorList src, double seconds) {
@@ -90,7 +93,7 @@ void paced_copy(at::TensorList dst, at::TensorList src, double seconds) {
 }
 
 TORCH_LIBRARY_FRAGMENT(specter_native, m) {
-  m.def("stream_copy(Tensor(a!) dst, Tensor src) -> ()");
+  m.def("stream_copy(Tensor(a!)[] dst, Tensor[] src) -> ()");
   m.def("paced_copy(Tensor(a!)[] dst, Tensor[] src, float seconds) -> ()");
 }
 
