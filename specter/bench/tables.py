@@ -17,6 +17,9 @@ phase's share of the round; the prefetch mode its last run ended in, ``(auto)`` 
 ``offload.prefetch: auto`` chose it),
 and "Governor", one row per row whose ``governor_summary`` names a governor other than ``fixed``,
 followed by the roofline table of the first such row of each (budget, link, compile) cell;
+"Compiled against eager", one row per compiled row with an eager row of the same label and cell:
+both medians, compiled / eager (medians, and the range over runs paired by repeat), then a line
+counting the rows at or above 1.00x and, of those below, the ones within the A/A noise floor;
 and "Noise floor: identical engines (A/A)", one row per row with ``twin_of`` (``sweep.twins``):
 the two medians, their ratio and the range of the paired runs' ratios, and the largest gap.
 """
@@ -265,6 +268,54 @@ def governor_section(bench: dict) -> list[str]:
     return lines
 
 
+def _twin_gap(rows: list[dict]) -> float | None:
+    """The largest |twin / original - 1| over the rows' twins (medians): the run's noise floor."""
+    gaps = []
+    for twin in rows:
+        where = (twin.get("budget"), twin.get("link"), bool(twin.get("compile")))
+        original = next((r for r in rows if twin.get("twin_of") and r.get("label") == twin["twin_of"]
+                         and (r.get("budget"), r.get("link"), bool(r.get("compile"))) == where), None)
+        if original is not None:
+            ratio = _div((twin.get("decode_tokens_per_s") or {}).get("median"),
+                         (original.get("decode_tokens_per_s") or {}).get("median"))
+            if ratio is not None:
+                gaps.append(abs(ratio - 1))
+    return max(gaps) if gaps else None
+
+
+def compile_section(bench: dict) -> list[str]:
+    """One row per compiled row with an eager row of the same label, budget and link: both medians,
+    compiled / eager (medians and the range over runs paired by repeat), then how many rows are
+    at or above 1.00x and how many of the others lie within the A/A noise floor."""
+    rows = [r for r in bench.get("rows") or [] if not r.get("twin_of")]
+    out, ratios = [], []
+    for row in rows:
+        if not row.get("compile"):
+            continue
+        label = row.get("label") or row.get("engine")
+        eager = next((r for r in rows if not r.get("compile") and (r.get("label") or r.get("engine")) == label
+                      and (r.get("budget"), r.get("link")) == (row.get("budget"), row.get("link"))), None)
+        if eager is None:
+            continue
+        a, b = eager.get("decode_tokens_per_s") or {}, row.get("decode_tokens_per_s") or {}
+        ratio = _div(b.get("median"), a.get("median"))
+        paired = [y / x for x, y in zip(a.get("runs") or [], b.get("runs") or []) if x]
+        if ratio is not None:
+            ratios.append(ratio)
+        budget = "-" if row.get("budget") is None else _pct(row["budget"])
+        out.append((label or "?", f"{budget} / {row.get('link') or '-'}", _num(a.get("median"), 2),
+                    _num(b.get("median"), 2), "-" if ratio is None else f"{ratio:.3f}x",
+                    f"{min(paired):.3f}-{max(paired):.3f}x" if paired else "-"))
+    if not out:
+        return []
+    lines = _rows_table(("row", "cell", "eager tok/s", "compiled tok/s", "compiled / eager", "paired runs"), out)
+    below = [r for r in ratios if r < 1.0]
+    gap = _twin_gap(bench.get("rows") or [])
+    within = "" if gap is None else (f"; of those below, {sum(1 for r in below if 1 - r <= gap)} within the "
+                                     f"A/A noise floor ({gap * 100:.1f}%)")
+    return lines + ["", f"Compiled at or above eager in {len(ratios) - len(below)} of {len(ratios)} rows{within}."]
+
+
 def twin_section(bench: dict) -> list[str]:
     """One row per twin: its cell, the row it copies, both medians, twin / original (medians and
     the range over paired runs), then the largest gap as a line: the run's noise floor."""
@@ -326,6 +377,7 @@ def markdown(bench: dict) -> str:
     for title, section in (("Where the time goes (specter rows)", phase_table(bench)),
                            ("Disk reads (last repeat, prefill included)", disk_section(bench)),
                            ("Governor", governor_section(bench)),
+                           ("Compiled against eager", compile_section(bench)),
                            ("Noise floor: identical engines (A/A)", twin_section(bench))):
         if section:
             lines += ["", f"### {title}", ""] + section

@@ -23,7 +23,7 @@ def _find(rows: list[list[str]], label: str, mode: str = "eager") -> list[str]:
     return matches[0]
 
 
-EXTRA = ("Where the time goes (specter rows)", "Governor")
+EXTRA = ("Where the time goes (specter rows)", "Governor", "Compiled against eager")
 
 
 def test_one_table_row_per_json_row(bench):
@@ -33,7 +33,7 @@ def test_one_table_row_per_json_row(bench):
     assert len(rows) == len(bench["rows"])
     assert all(len(row) == len(COLUMNS) for row in rows)
     assert text.count("| engine |") == len(sections) == 2 * 2 + 1
-    assert list(_sections(text))[-2:] == list(EXTRA)
+    assert list(_sections(text))[-3:] == list(EXTRA)
 
 
 def test_header_states_workload_and_emulated_links(bench):
@@ -178,6 +178,31 @@ def test_noise_floor_section_pairs_each_twin_with_its_row(bench):
     assert f"| specter k=4 | {original['budget'] * 100:g}% / slow / eager | {median:.2f} | {median * 0.9:.2f} | 0.90x " \
            "| 0.80-1.00x |" in lines
     assert lines[-1].startswith("Two identical engines landed up to 10.0% apart")
+
+
+def test_compiled_against_eager_pairs_rows_of_one_label_and_cell(bench):
+    rows = bench["rows"]
+    lines = _sections(markdown(bench))["Compiled against eager"]
+    pairs = [r for r in rows if r["compile"] and any(
+        not o["compile"] and o["label"] == r["label"] and (o["budget"], o["link"]) == (r["budget"], r["link"]) for o in rows)]
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| row |")]
+    assert len(table) == len(pairs) > 0
+    assert "| resident | - / - | 30.00 | 36.00 | 1.200x | 1.200-1.200x |" in table
+    assert sum("| 1.100x | 1.100-1.100x |" in line for line in table) == len(table) - 3  # resident, two rooflines
+    assert lines[-1] == f"Compiled at or above eager in {len(pairs)} of {len(pairs)} rows."
+
+    slower = next(r for r in rows if r["label"] == "specter k=4" and r["link"] == "slow" and r["compile"])
+    eager = next(r for r in rows if r["label"] == "specter k=4" and r["link"] == "slow" and not r["compile"]
+                 and r["budget"] == slower["budget"])
+    median = eager["decode_tokens_per_s"]["median"]
+    slower["decode_tokens_per_s"] = {"median": median * 0.97, "runs": [x * 0.97 for x in eager["decode_tokens_per_s"]["runs"]]}
+    twin = {**eager, "label": "specter k=4 (twin)", "twin_of": "specter k=4",
+            "decode_tokens_per_s": {"median": median * 0.95, "runs": eager["decode_tokens_per_s"]["runs"]}}
+    rows.append(twin)
+    lines = [line for line in _sections(markdown(bench))["Compiled against eager"] if line]
+    assert f"| {median:.2f} | {median * 0.97:.2f} | 0.970x | 0.970-0.970x |" in "\n".join(lines)
+    assert lines[-1] == (f"Compiled at or above eager in {len(pairs) - 1} of {len(pairs)} rows; of those below, "
+                         "1 within the A/A noise floor (5.0%).")
 
 
 def test_extra_sections_skipped_when_empty(sparse_bench):
