@@ -268,18 +268,24 @@ def governor_section(bench: dict) -> list[str]:
     return lines
 
 
-def _twin_gap(rows: list[dict]) -> float | None:
-    """The largest |twin / original - 1| over the rows' twins (medians): the run's noise floor."""
-    gaps = []
+def _twin_pairs(rows: list[dict]) -> Iterable[tuple[dict, dict]]:
+    """(twin, original) for each row with ``twin_of`` whose original is in the same cell and mode."""
     for twin in rows:
+        label = twin.get("twin_of")
         where = (twin.get("budget"), twin.get("link"), bool(twin.get("compile")))
-        original = next((r for r in rows if twin.get("twin_of") and r.get("label") == twin["twin_of"]
+        original = next((r for r in rows if label and r.get("label") == label
                          and (r.get("budget"), r.get("link"), bool(r.get("compile"))) == where), None)
         if original is not None:
-            ratio = _div((twin.get("decode_tokens_per_s") or {}).get("median"),
-                         (original.get("decode_tokens_per_s") or {}).get("median"))
-            if ratio is not None:
-                gaps.append(abs(ratio - 1))
+            yield twin, original
+
+
+def _median_ratio(row: dict, base: dict) -> float | None:
+    return _div((row.get("decode_tokens_per_s") or {}).get("median"), (base.get("decode_tokens_per_s") or {}).get("median"))
+
+
+def _twin_gap(rows: list[dict]) -> float | None:
+    """The largest |twin / original - 1| over the rows' twins (medians): the run's noise floor."""
+    gaps = [abs(ratio - 1) for twin, original in _twin_pairs(rows) if (ratio := _median_ratio(twin, original)) is not None]
     return max(gaps) if gaps else None
 
 
@@ -298,7 +304,7 @@ def compile_section(bench: dict) -> list[str]:
         if eager is None:
             continue
         a, b = eager.get("decode_tokens_per_s") or {}, row.get("decode_tokens_per_s") or {}
-        ratio = _div(b.get("median"), a.get("median"))
+        ratio = _median_ratio(row, eager)
         paired = [y / x for x, y in zip(a.get("runs") or [], b.get("runs") or []) if x]
         if ratio is not None:
             ratios.append(ratio)
@@ -319,27 +325,18 @@ def compile_section(bench: dict) -> list[str]:
 def twin_section(bench: dict) -> list[str]:
     """One row per twin: its cell, the row it copies, both medians, twin / original (medians and
     the range over paired runs), then the largest gap as a line: the run's noise floor."""
-    rows = bench.get("rows") or []
-    out, gaps = [], []
-    for twin in rows:
-        label = twin.get("twin_of")
-        where = (twin.get("budget"), twin.get("link"), bool(twin.get("compile")))
-        original = next((r for r in rows if label and r.get("label") == label
-                         and (r.get("budget"), r.get("link"), bool(r.get("compile"))) == where), None)
-        if original is None:
-            continue
+    out = []
+    for twin, original in _twin_pairs(bench.get("rows") or []):
         a, b = original.get("decode_tokens_per_s") or {}, twin.get("decode_tokens_per_s") or {}
-        ratio = _div(b.get("median"), a.get("median"))
         paired = [y / x for x, y in zip(a.get("runs") or [], b.get("runs") or []) if x]
-        if ratio is not None:
-            gaps.append(abs(ratio - 1))
-        out.append((label, _where(twin), _num(a.get("median"), 2), _num(b.get("median"), 2), _ratio(ratio),
-                    f"{min(paired):.2f}-{max(paired):.2f}x" if paired else "-"))
+        out.append((twin["twin_of"], _where(twin), _num(a.get("median"), 2), _num(b.get("median"), 2),
+                    _ratio(_median_ratio(twin, original)), f"{min(paired):.2f}-{max(paired):.2f}x" if paired else "-"))
     if not out:
         return []
     lines = _rows_table(("row", "cell", "original tok/s", "twin tok/s", "twin / original", "paired runs"), out)
-    if gaps:
-        lines += ["", f"Two identical engines landed up to {max(gaps) * 100:.1f}% apart (medians) in this run: "
+    gap = _twin_gap(bench.get("rows") or [])
+    if gap is not None:
+        lines += ["", f"Two identical engines landed up to {gap * 100:.1f}% apart (medians) in this run: "
                       "ratios closer than that are within its noise."]
     return lines
 
