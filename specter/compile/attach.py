@@ -7,8 +7,7 @@ sets ``engine.compiled``; ``Engine.forward_logits`` / ``new_kv_cache`` then rout
 ``MAX_K``). A drafting engine's lean step (``engine.lean_draft``, given before compiling by
 ``lean_draft.use_lean_draft``) that the native row kernels serve becomes the decoder's
 ``lean_step``, which then runs every draft step (no draft graph is compiled);
-``engine.lean_draft`` is cleared either way (a compiled engine drafts through its decoder). An
-engine with a prefetch scheduler gives the decoder its ``streams`` as ``round_streams``.
+``engine.lean_draft`` is cleared either way (a compiled engine drafts through its decoder).
 """
 
 from __future__ import annotations
@@ -30,9 +29,6 @@ def compile_engine(engine, max_k: int | None = None) -> CompiledDecoder:
         runtime=runtime,
         layered=engine.name == "router-lookahead",  # its predictor acts between layers
     )
-    scheduler = getattr(engine, "scheduler", None)
-    if scheduler is not None:
-        decoder.round_streams = lambda: scheduler.streams
     draft = getattr(engine, "draft", None)
     if draft:
         decoder.set_draft(draft)

@@ -32,10 +32,8 @@ Contract:
     when resident), then a compiled final norm + LM head. Prefill (T > ``fused_max_tokens``, or
     any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
     (for predictors that must act between layers, e.g. router lookahead) unless the fused graph
-    calls the host at each layer (CPU), where they act inside it; so do a CPU's cache target steps
-    while ``round_streams()`` (the scheduler's ``streams``) where the host does not compute the
-    experts (a fused step frees a layer's slots a layer late; design notes, stop 49). For other
-    cache target steps, and for draft steps without a ``lean_step`` (the fused draft graph against compiled attention + the
+    calls the host at each layer (CPU), where they act inside it. For cache target steps, and for
+    draft steps without a ``lean_step`` (the fused draft graph against compiled attention + the
     eager grouped INT4 experts), a ``PathChooser`` measures both paths and takes the faster one;
     draft steps between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path the
     caller judges. Where ``lean_step`` is set (the eager lean draft step, on a CPU with the native
@@ -139,7 +137,6 @@ class CompiledDecoder:
         self._draft_experts: CompiledDraftExperts | None = None
         self.lean_step = None  # the eager lean draft step (attach.compile_engine): then it runs every draft step
         self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
-        self.round_streams: Callable[[], bool] = lambda: False
 
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
             weights = [self.embed, self.final_norm, self.lm_head, self.lm_head_bias, self.inv_freq]
@@ -306,12 +303,13 @@ class CompiledDecoder:
     def _run_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is None:
             return self._run_fused_target(tokens, positions, kv_index, kv)
-        args, width = (tokens, positions, kv_index, kv), tokens.shape[0]
+        args = (tokens, positions, kv_index, kv)
+        if self.layer_host is not None and not self.layer_host.fits(tokens.shape[0]):
+            return self._run_layered(*args)  # a layer might need more experts than the cache holds
+        width = tokens.shape[0]
         # a computing host does the same expert work on both paths, whatever the width: one choice
         # for all widths, judged per token (per width, a roofline's many widths each paid trials)
         pooled = self.layer_host is not None and self.layer_host.computes
-        if self.layer_host is not None and (not self.layer_host.fits(width) or not pooled and self.round_streams()):
-            return self._run_layered(*args)  # a layer might need more experts than the cache holds; streaming
         return self._run_chosen(POOLED_KEY if pooled else width, lambda: self._run_fused_target(*args),
                                 lambda: self._run_layered(*args), per=width if pooled else 1)
 

@@ -21,8 +21,7 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    layer refused earlier is retried whenever a slot frees, before its layer needs it.
    ``computed(layer, experts)``: verification computed those experts before the rest of their
    layer (``ExpertRuntime``'s waves) and freed their slots; they leave the predictions ahead and
-   the window's missing keys are issued into the freed slots at once. ``streams``: the round's
-   predictions still ahead exceed the cache (a round in progress).
+   the window's missing keys are issued into the freed slots at once.
 5. Two tiers: every prediction not in the cache is also handed to the link's ``stage`` the moment
    it arrives, so a host tier below the device (``specter.memory.host_tier``) starts reading it
    from the disk before a device slot is free for it.
@@ -157,11 +156,6 @@ class PrefetchScheduler:
         a prediction or the frontier changed, and make the window exactly the cache's protected
         set."""
         self._set_window([k for k in self.ordered(self._predicted) if k[0] >= self._frontier and k not in self._done])
-
-    @property
-    def streams(self) -> bool:
-        """The round's predictions still ahead exceed the cache: verification streams them."""
-        return self._active and len(self._ahead) > self.cache.capacity
 
     def _set_window(self, ahead: list[ExpertKey]) -> None:
         """``ahead`` (in need order) is the predictions ahead: the window is its first ``capacity``

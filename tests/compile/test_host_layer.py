@@ -234,29 +234,3 @@ def test_a_computing_host_makes_one_path_choice_for_every_width_judged_per_token
         assert {key for key, _ in calls} == {POOLED_KEY} and 4 in {per for _, per in calls}
     else:
         assert all(per == 1 for _, per in calls) and 4 in {key for key, _ in calls}
-
-
-@pytest.mark.parametrize("computes", [False, True])
-def test_a_streaming_round_is_verified_layered_where_the_host_does_not_compute(checkpoint, monkeypatch, computes):
-    monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
-    recipe = specter_recipe(checkpoint, 0.5, k=3, tokens=10)
-    engine = specter.load(recipe)
-    decoder = engine.compiled
-    assert decoder.round_streams() is False  # the scheduler's, outside a round
-    monkeypatch.setattr(type(engine.scheduler), "streams", property(lambda self: True))
-    assert decoder.round_streams() is True
-    chosen, run = [], decoder.chooser.run
-
-    def recording_run(key, *args, **kwargs):
-        chosen.append(key)
-        return run(key, *args, **kwargs)
-    monkeypatch.setattr(decoder.chooser, "run", recording_run)
-    layered_before = decoder.stats.layered_steps
-    tokens = engine.generate(PROMPTS).token_ids
-    layered = decoder.stats.layered_steps - layered_before
-    engine.close()
-    assert tokens == resident_tokens(recipe)
-    if computes:  # both paths stream alike where the host computes: the chooser still picks
-        assert chosen and set(chosen) == {POOLED_KEY}
-    else:
-        assert chosen == [] and layered > len(PROMPTS)  # every verification, and each prompt's prefill

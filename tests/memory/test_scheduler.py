@@ -154,26 +154,6 @@ def test_streaming_a_round_larger_than_the_cache() -> None:
     assert cache.protected_keys() == frozenset()
 
 
-def test_streams_while_the_predictions_ahead_exceed_the_cache() -> None:
-    cache, _ = make_cache(n_slots=4, layers=(0, 1, 2))
-    scheduler = PrefetchScheduler(cache, max_in_flight=8)
-    assert not scheduler.streams  # no round
-    scheduler.begin_round()
-    scheduler.add(0, [0, 1], [0.9, 0.8])
-    scheduler.add(1, [2, 3], [0.7, 0.6])
-    assert not scheduler.streams  # four predictions, four slots
-    scheduler.add(2, [4], [0.5])
-    assert scheduler.streams
-    scheduler.computed(0, [0])  # one of layer 0's experts verified: four left ahead
-    assert not scheduler.streams
-    scheduler.add(2, [5], [0.4])
-    assert scheduler.streams
-    scheduler.advance(1)  # layer 0 verified: four ahead
-    assert not scheduler.streams
-    scheduler.end_round(set())
-    assert not scheduler.streams
-
-
 def flushed_two_a_layer_round(n_slots: int):
     """A round predicting experts 2L and 2L + 1 of MoE layers 0, 1, 2, flushed."""
     cache, link = make_cache(n_slots=n_slots, layers=(0, 1, 2))
