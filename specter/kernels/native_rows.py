@@ -15,10 +15,20 @@ Contract:
   RMS norm of one row (float32, ``normed = h * rsqrt(mean(h^2) + eps) * norm_weight``; the sum of
   squares in a different order from PyTorch's), then each [N_i, K] weight on it, outputs side by
   side (``specter_native::normed_rows``): the draft step's norm-and-projections in one call.
+- ``wide_rows(enabled=None) -> bool``: whether groups of two rows or more run the kernel's AVX-512
+  forms (on by default where the CPU has AVX-512F/DQ/VL; one row always runs the AVX2 form).
+  They give every row the AVX2 form's bits, lane for lane, and read a weight row once for up to
+  eight rows (AVX2: three or four); ``enabled`` switches them on or off process-wide (tests, A/B
+  timings); returns whether they run now.
 Why: on this project's CPU (one thread) MKL's ``x @ W^T`` for an [8192, 256] fp32 weight ran at
 6.2 GB/s for one row but 2.8-3.3 GB/s for 2-5 rows (it packs the weight first), and
 ``torch._grouped_mm`` over six experts of 1-2 rows each took 2.6 ms per expert's 12 MiB; this
-kernel 1.7 ms (7.4-7.8 GB/s; ``scripts/bench_expert_kernel.py`` times both forms).
+kernel 1.7 ms (7.4-7.8 GB/s; ``scripts/bench_expert_kernel.py`` times both forms). The AVX-512
+forms, switched per run in one process (widened model, one thread, 2026-12-05): verification's
+compute per expert read 1.021 -> 0.996 ms at 50% on ``local`` with k = 16 compiled (1.015x tok/s),
+1.182 -> 1.141 at 25% ``local`` with k = 32 compiled (1.014x), 1.351 -> 1.328 at 25% on an emulated
+2 GB/s with k = 16 compiled (0.999x, link-bound); 50% ``local`` with k = 8 eager, rounds of about
+two rows an expert: 1.041 -> 1.038 (0.998x).
 """
 
 from __future__ import annotations
@@ -48,6 +58,12 @@ def glu_expert_rows(out: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, weigh
     """One expert's silu-gated MLP on its rows into ``out`` (see the module docstring); ``serves``
     must hold for ``x``, ``gate_up`` and ``down``."""
     torch.ops.specter_native.glu_expert_rows(out, x.contiguous(), gate_up, down, weights)
+
+
+def wide_rows(enabled: bool | None = None) -> bool:
+    """Whether two rows or more take the AVX-512 forms; ``enabled`` sets it first (see the module
+    docstring). The native kernels must be available."""
+    return bool(torch.ops.specter_native.wide_rows(-1 if enabled is None else int(enabled)))
 
 
 def normed_rows(h: Tensor, norm_weight: Tensor, eps: float, weights: list[Tensor]) -> tuple[Tensor, Tensor]:

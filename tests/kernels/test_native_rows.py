@@ -61,6 +61,28 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_weight(k: int)
 
 
 @needs_native
+@pytest.mark.parametrize(("k", "n"), [(256, 40), (1024, 42), (4096, 64)])
+def test_the_avx512_forms_give_every_row_the_avx2_bits(k: int, n: int) -> None:
+    # groups of 1-12 rows (one pass, a remainder, two passes of eight), short and long weight rows
+    # (n % 4 != 0 leaves long rows a tail of single weight rows)
+    if not native_rows.wide_rows():
+        pytest.skip("this CPU has no AVX-512F/DQ/VL: only the AVX2 forms run")
+    gen = torch.Generator().manual_seed(k + n)
+    counts = [1, 2, 3, 4, 5, 7, 8, 9, 12]
+    w = torch.randn(len(counts), n, k, generator=gen)
+    ends = torch.tensor(counts).cumsum(0)
+    x = torch.randn(int(ends[-1]), k, generator=gen)
+    try:
+        assert native_rows.wide_rows(False) is False
+        narrow = native_rows.grouped_rows(x, w, ends)
+    finally:
+        assert native_rows.wide_rows(True) is True
+    wide = native_rows.grouped_rows(x, w, ends)
+    assert torch.equal(wide, narrow)
+    torch.testing.assert_close(wide.double(), reference(x, w, ends), rtol=1e-5, atol=1e-3)
+
+
+@needs_native
 def test_bad_shapes_are_refused_with_the_reason() -> None:
     w = torch.randn(2, 8, 32)
     with pytest.raises(RuntimeError, match="ends\\[-1\\] must equal"):
