@@ -17,8 +17,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   rate shrunk towards the place's pooled rate, as one round's wait scatters far more than the rest
   of its verification, then made non-increasing in T, as a wide round's tokens share the experts
   they wait for), or where every round streams (``always_streams``) the widths' own rates at T over
-  all places (``by_width``) but a round ``cut_short`` by the generation's end (its low wait pooled
-  the wider widths' rates down: 9-10% too cheap at 25% on 2 GB/s); the rest follows ``VerifyCost``
+  all places (``by_width``; past the widest measured width, its wait per distinct expert) but a
+  round ``cut_short`` by the generation's end (its low wait pooled the wider widths' rates down:
+  9-10% too cheap at 25% on 2 GB/s); the rest follows ``VerifyCost``
   (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
   rounds, of the experts read, the tokens and (for an engine that reports no waits) the experts
   streamed past the cache's slots (a round's time depends on the width before it, so one
@@ -116,6 +117,7 @@ class RooflineGovernor(Governor):
             raise ValueError(f"roofline governor: need 0 <= k <= k_max <= {MAX_K}, got k={k}, k_max={k_max}")
         self.k_max, self.k0 = k_max, k
         self.n_experts, self.top_k = n_experts, top_k
+        self._distinct = lambda tokens: distinct_experts(tokens, n_experts, top_k)  # a width's experts per layer
         self.weight, self.probe_every, self.max_latency_ms = ema, probe_every, max_latency_ms
         self.draft_ratio = draft_ratio
         self.cache_slots_per_layer = cache_slots_per_layer  # None: unknown, the frontier always applies
@@ -161,7 +163,8 @@ class RooflineGovernor(Governor):
         curve = self.cost.curve(self.rounds, self._changed_at)
         if curve is not None:
             now = (self.rounds, self._changed_at)
-            wait = self.wait.by_width(width, *now) if self.always_streams() else self.wait.value(*now, self.prompt_round, width)
+            wait = (self.wait.by_width(width, *now, distinct=self._distinct) if self.always_streams()
+                    else self.wait.value(*now, self.prompt_round, width))
             return curve[min(width, len(curve) - 1)] + width * (wait or 0.0)
         if self.plain.value is not None:
             return self.plain.value * u
@@ -199,9 +202,7 @@ class RooflineGovernor(Governor):
         return min(self.k_max, max(max(measured, default=0) - 1, self.k0) + FRONTIER_STEP)
 
     def best_k(self) -> int | None:
-        best, best_rate = None, -1.0
-        rows = self.table()
-        frontier = self.frontier()
+        best, best_rate, rows, frontier = None, -1.0, self.table(), self.frontier()
         for row in rows:
             rate = row["predicted_tokens_per_s"]
             if rate is None:
@@ -226,8 +227,7 @@ class RooflineGovernor(Governor):
     def next_k(self) -> int:
         probe = False
         if self._calibration:
-            k = self._calibration.pop(0)
-            probe = True
+            k, probe = self._calibration.pop(0), True
         else:
             best = self.best_k()
             k = self.k0 if best is None else best

@@ -51,7 +51,14 @@ there: 0.9x k = 6 or 8).
 ``by_width(width, now, changed_at, shrunk=False)``: the rate at one width, from the measured widths'
 own rates (``shrunk``: each first shrunk towards the pooled rate by ``WIDTH_PRIOR_ROUNDS`` rounds)
 made non-increasing in the width (weighted isotonic regression, a width weighing its rounds' age
-weights times the width), linear between measured widths and flat beyond them. The governor
+weights times the width), linear between measured widths and flat beyond them, or given
+``distinct`` (a width's distinct experts per layer) past the widest measured width the same wait
+per distinct expert as there: a round that streams waits for the experts its tokens read, which
+grow far slower than its tokens (widened model, 25% on 2 GB/s, fixed k = 4, 8, 16, 32 in one bench:
+verification 18.2, 19.9, 21.2, 20.2 ms a distinct expert of a layer, against 24.6, 21.5, 16.4, 10.4
+ms a verified token). Flat per token, with the calibration's k = 32 rounds cut by 32-token
+generations (so left out), k = 32 was priced at 2.5x its round and the governor held k = 7 (35.7
+tok/s against fixed k = 32's 51.7, in one process); per distinct expert it held k = 32 (52.0). The governor
 takes it unshrunk where every round streams (its ``always_streams``): there a wide round's tokens share
 the experts they stream, so its wait per token is no higher (25% on 2 GB/s, fixed k each, stop 36: 20.4,
 20.9, 21.6, 20.8 ms a verified token for k = 1, 2, 4, 8, then 17.3 at 12 and 15.2 at 16, where
@@ -69,6 +76,7 @@ draws: 0.875x the best fixed k in the fast phase against 1.013x with the regress
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from specter.decode.roofline_fit import Ema, cost_curve, distinct_experts, interpolate, monotone
 from specter.decode.roofline_watch import changed
@@ -138,16 +146,23 @@ class WaitPerToken:
         self._update(now, changed_at)
         return self._value
 
-    def by_width(self, width: int, now: int, changed_at: int, shrunk: bool = False) -> float | None:
+    def by_width(self, width: int, now: int, changed_at: int, shrunk: bool = False,
+                 distinct: Callable[[int], float] | None = None) -> float | None:
         """Seconds of transfer wait per verified token at ``width``: the measured widths' own
         rates made non-increasing in the width (isotonic regression, each width weighted by its
-        rounds' age weights times the width), linear between them, flat beyond them. ``shrunk``:
-        each width's rate first shrunk towards the pooled rate as if ``WIDTH_PRIOR_ROUNDS`` more
-        rounds of that width had waited at it (one round's wait scatters too much to set a width's
-        rate alone)."""
+        rounds' age weights times the width), linear between them, flat beyond them or, given
+        ``distinct`` (a width's distinct experts per layer), past the widest measured width its
+        round's wait per distinct expert. ``shrunk``: each width's rate first shrunk towards the
+        pooled rate as if ``WIDTH_PRIOR_ROUNDS`` more rounds of that width had waited at it (one
+        round's wait scatters too much to set a width's rate alone)."""
         self._update(now, changed_at)
         curve = self._shrunk if shrunk else self._by_width
-        return interpolate(curve, width) if curve else self._value
+        if not curve:
+            return self._value
+        widest = next(reversed(curve))
+        if distinct is not None and width > widest:
+            return curve[widest] * widest / width * distinct(width) / distinct(widest)
+        return interpolate(curve, width)
 
     def _update(self, now: int, changed_at: int) -> None:
         key = _state(self.samples, now, changed_at)
@@ -204,8 +219,9 @@ class PromptWaits:
         pool = own if len(own.samples) >= OWN_PLACE_ROUNDS else self.all
         return pool.value(now, changed_at) if width is None else pool.by_width(width, now, changed_at, shrunk=True)
 
-    def by_width(self, width: int, now: int, changed_at: int) -> float | None:
-        return self.all.by_width(width, now, changed_at)
+    def by_width(self, width: int, now: int, changed_at: int,
+                 distinct: Callable[[int], float] | None = None) -> float | None:
+        return self.all.by_width(width, now, changed_at, distinct=distinct)
 
 
 class VerifyCost:

@@ -79,6 +79,11 @@ def test_waits_by_width_fall_with_the_width_as_measured_and_never_rise():
     assert rates[0] == pytest.approx(0.020, abs=0.001) and rates[1] == pytest.approx(0.018, abs=0.0005)
     assert rates[2] == pytest.approx((rates[1] + rates[3]) / 2)  # linear between measured widths
     assert rates[3] == pytest.approx(0.015) and rates[4] == rates[3]  # flat beyond them
+    # given a width's distinct experts, past the widest measured width a round waits as much per
+    # distinct expert as the widest one did (and within the measured widths nothing changes)
+    distinct = {9: 7.0, 17: 10.0, 33: 13.0}.__getitem__
+    assert waits.by_width(33, now=6, changed_at=-1, distinct=distinct) == pytest.approx(0.015 * 17 / 33 * 13 / 10)
+    assert waits.by_width(9, now=6, changed_at=-1, distinct=distinct) == rates[1]
     rising = WaitPerToken()  # narrow rounds hid their copies, wide ones waited: no width is cheaper a token
     for i, (width, per_token) in enumerate([(2, 0.001), (17, 0.003), (2, 0.001), (17, 0.003)]):
         rising.add(width, per_token * width, i)
