@@ -32,7 +32,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at
   all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being ``t_draft /
   draft_ratio``.
-- ``next_k()`` returns the k in ``[0, k_max]`` with the highest predicted tokens/s
+- ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K`` where every round
+  streams, see below, else ``DEFAULT_K_MAX``) with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
   and within ``frontier()``: at most ``FRONTIER_STEP`` beyond the widest k measured, so wider
   ones are reached step by step, each measured before the next is extrapolated (a fit through
@@ -95,6 +96,7 @@ HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to
 SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
 FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured
 TRANSITION_WEIGHT = 0.25  # how much the verify cost counts a round right after one at another k
+DEFAULT_K_MAX = 8  # k_max unless given, where rounds fit the cache (where every round streams: MAX_K)
 
 
 def calibration_rounds(k0: int, k_max: int, widest: bool = False) -> list[int]:
@@ -110,17 +112,17 @@ def calibration_rounds(k0: int, k_max: int, widest: bool = False) -> list[int]:
 class RooflineGovernor(Governor):
     name = "roofline"
 
-    def __init__(self, k: int = 4, k_max: int = 8, n_experts: int = 16, top_k: int = 2, ema: float = 0.25,
+    def __init__(self, k: int = 4, k_max: int | None = None, n_experts: int = 16, top_k: int = 2, ema: float = 0.25,
                  probe_every: int = 12, max_latency_ms: float | None = None, prior_acceptance: float = 0.8,
                  draft_ratio: float = 0.5, cache_slots_per_layer: float | None = None) -> None:
+        self.n_experts, self.top_k = n_experts, top_k
+        self._distinct = lambda tokens: distinct_experts(tokens, n_experts, top_k)  # a width's experts per layer
+        self.cache_slots_per_layer = cache_slots_per_layer  # None: unknown, the frontier always applies
+        k_max = (MAX_K if self.always_streams() else DEFAULT_K_MAX) if k_max is None else k_max
         if not 1 <= k_max <= MAX_K or not 0 <= k <= k_max:
             raise ValueError(f"roofline governor: need 0 <= k <= k_max <= {MAX_K}, got k={k}, k_max={k_max}")
         self.k_max, self.k0 = k_max, k
-        self.n_experts, self.top_k = n_experts, top_k
-        self._distinct = lambda tokens: distinct_experts(tokens, n_experts, top_k)  # a width's experts per layer
-        self.weight, self.probe_every, self.max_latency_ms = ema, probe_every, max_latency_ms
-        self.draft_ratio = draft_ratio
-        self.cache_slots_per_layer = cache_slots_per_layer  # None: unknown, the frontier always applies
+        self.weight, self.probe_every, self.max_latency_ms, self.draft_ratio = ema, probe_every, max_latency_ms, draft_ratio
         self.acceptance = AcceptanceEstimate(k_max, prior_acceptance)
         self.draft_step = Ema(ema)
         self.extra_steps = 1  # draft steps per round beyond k (the engine's routing-only step)
@@ -157,7 +159,7 @@ class RooflineGovernor(Governor):
         drafted, so no transfer hidden behind a draft) is its own moving average; drafted widths
         follow ``self.cost`` (``VerifyCost``). Before any drafted round, widths scale from T = 1 by
         distinct experts, and with no measurement at all from the draft step (``draft_ratio``)."""
-        u = distinct_experts(width, self.n_experts, self.top_k) / distinct_experts(1, self.n_experts, self.top_k)
+        u = self._distinct(width) / self._distinct(1)
         if width == 1 and self.plain.value is not None:
             return self.plain.value
         curve = self.cost.curve(self.rounds, self._changed_at)
@@ -168,9 +170,7 @@ class RooflineGovernor(Governor):
             return curve[min(width, len(curve) - 1)] + width * (wait or 0.0)
         if self.plain.value is not None:
             return self.plain.value * u
-        if self.draft_step.value is None:
-            return None
-        return self.draft_step.value / self.draft_ratio * u
+        return None if self.draft_step.value is None else self.draft_step.value / self.draft_ratio * u
 
     def round_s(self, k: int) -> float | None:
         verify = self.verify_s(k + 1)

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from specter.errors import SpecterError
-from specter.decode.governor import check_next_k
+from specter.decode.governor import MAX_K, check_next_k
 from specter.plugins import registry
 from specter.decode.roofline import RooflineGovernor
 from specter.decode.roofline_fit import distinct_experts
@@ -386,3 +386,17 @@ def test_once_the_measured_rounds_stream_through_the_cache_wider_ones_need_no_st
     assert chosen[:7] == [4, 0, 0, 1, 1, 2, 2] and governor.frontier() == 16 and chosen[7] >= 14
     stepwise = drive(RooflineGovernor(k=4, k_max=16), Machine(0.97, 2e-2, draft=5e-4), 12)
     assert stepwise[7] == 6  # without the cache's size: two past the widest measured
+
+
+def test_unless_given_k_max_is_the_widest_k_where_every_round_streams_else_eight():
+    # 16 experts, top-2: three tokens read 5.3 of a layer's experts; with four slots a layer every
+    # round streams, and wide rounds share their copies (stop 50: k = 32 1.2-1.6x k = 8-16 there)
+    assert RooflineGovernor(cache_slots_per_layer=4.0).k_max == MAX_K
+    assert RooflineGovernor(cache_slots_per_layer=8.0).k_max == 8
+    assert RooflineGovernor().k_max == 8  # the cache's size unknown
+    assert RooflineGovernor(k_max=12, cache_slots_per_layer=4.0).k_max == 12
+    assert RooflineGovernor(k=20, cache_slots_per_layer=4.0).k0 == 20
+    with pytest.raises(ValueError, match="k_max"):
+        RooflineGovernor(k=20, cache_slots_per_layer=8.0)
+    with pytest.raises(ValueError, match="k_max"):
+        RooflineGovernor(k_max=0)
