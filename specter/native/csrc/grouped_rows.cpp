@@ -5,9 +5,9 @@
 // Every weight row w[s, n] is read from memory once for all the rows of its group (up to four
 // rows share the accumulators, a fifth re-reads it from L1; long rows go four weight rows at a
 // time, sharing each load of x; with AVX-512, eight rows a pass), so a group of 2-8 rows costs
-// less than twice one row's time: the memory-bound regime of decode and verification, where BLAS's small-M GEMM packs the weight
-// first and runs at half a matrix-vector product's speed. A row's result depends on its values,
-// the weight and K only, never on how many rows its group has.
+// less than twice one row's time: the memory-bound regime of decode and verification, where
+// BLAS's small-M GEMM packs the weight first and runs at half a matrix-vector product's speed. A
+// row's result depends on its values, the weight and K only, never on how many rows its group has.
 //   normed_rows(h float32 [1, K], norm_weight [K], eps, weights [N_i, K]...) -> (normed [1, K],
 //   [1, sum N_i]): an RMS norm, then every weight on the normed row, outputs side by side.
 //   glu_expert_rows(out [R, H], x [R, H], gate_up [2I, H], down [H, I], weights [R, 1]): one
@@ -19,10 +19,10 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
-#include <atomic>
 #include "rows_math.h"
 #include "rows_math512.h"
 
