@@ -234,3 +234,34 @@ def test_a_computing_host_makes_one_path_choice_for_every_width_judged_per_token
         assert {key for key, _ in calls} == {POOLED_KEY} and 4 in {per for _, per in calls}
     else:
         assert all(per == 1 for _, per in calls) and 4 in {key for key, _ in calls}
+
+
+def test_a_fused_step_frees_the_previous_layers_slots_before_the_observers_hear_of_the_next():
+    # the scheduler's advance (an observer) streams the round's next predictions into the slots
+    # the layers behind have freed: told first, it found them still held
+    log: list = []
+
+    class Cache:
+        capacity = 8
+        slot_table = torch.zeros(2, 6, dtype=torch.long)
+
+        def acquire(self, row, experts):
+            log.append(("acquire", row, experts))
+
+        def release(self, row, experts):
+            log.append(("release", row, experts))
+
+    class Runtime:
+        cache = Cache()
+        layers = {0: type("Layer", (), {"top_k": 2})(), 1: type("Layer", (), {"top_k": 2})()}
+
+        def notify(self, row, x, top_k_index, top_k_weights):
+            log.append(("notify", row))
+
+    host = host_layer.LayerHost(Runtime(), [None, None], computes=False)
+    x, weights = torch.zeros(1, 4), torch.ones(1, 2)
+    with host.live():
+        host(0, x, torch.tensor([[0, 3]]), weights)
+        host(1, x, torch.tensor([[5, 1]]), weights)
+    assert log == [("notify", 0), ("acquire", 0, [0, 3]), ("release", 0, [0, 3]), ("notify", 1),
+                   ("acquire", 1, [1, 5]), ("release", 1, [1, 5])]
