@@ -184,9 +184,11 @@ def _rows_table(columns: Iterable[str], rows: Iterable[Iterable[object]]) -> lis
             + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows])
 
 
-def _where(row: dict) -> str:
+def _where(row: dict, mode: bool = True) -> str:
+    """The row's cell, ``budget / link``, and (``mode``) ``/ compiled`` or ``/ eager``."""
     budget = "-" if row.get("budget") is None else _pct(row["budget"])
-    return f"{budget} / {row.get('link') or '-'} / {'compiled' if row.get('compile') else 'eager'}"
+    cell = f"{budget} / {row.get('link') or '-'}"
+    return f"{cell} / {'compiled' if row.get('compile') else 'eager'}" if mode else cell
 
 
 def phase_table(bench: dict) -> list[str]:
@@ -279,6 +281,12 @@ def _twin_pairs(rows: list[dict]) -> Iterable[tuple[dict, dict]]:
             yield twin, original
 
 
+def _paired_runs(row: dict, base: dict) -> list[float]:
+    """``row``'s runs over ``base``'s, paired by repeat."""
+    a, b = base.get("decode_tokens_per_s") or {}, row.get("decode_tokens_per_s") or {}
+    return [y / x for x, y in zip(a.get("runs") or [], b.get("runs") or []) if x]
+
+
 def _median_ratio(row: dict, base: dict) -> float | None:
     return _div((row.get("decode_tokens_per_s") or {}).get("median"), (base.get("decode_tokens_per_s") or {}).get("median"))
 
@@ -305,11 +313,10 @@ def compile_section(bench: dict) -> list[str]:
             continue
         a, b = eager.get("decode_tokens_per_s") or {}, row.get("decode_tokens_per_s") or {}
         ratio = _median_ratio(row, eager)
-        paired = [y / x for x, y in zip(a.get("runs") or [], b.get("runs") or []) if x]
+        paired = _paired_runs(row, eager)
         if ratio is not None:
             ratios.append(ratio)
-        budget = "-" if row.get("budget") is None else _pct(row["budget"])
-        out.append((label or "?", f"{budget} / {row.get('link') or '-'}", _num(a.get("median"), 2),
+        out.append((label or "?", _where(row, mode=False), _num(a.get("median"), 2),
                     _num(b.get("median"), 2), "-" if ratio is None else f"{ratio:.3f}x",
                     f"{min(paired):.3f}-{max(paired):.3f}x" if paired else "-"))
     if not out:
@@ -328,7 +335,7 @@ def twin_section(bench: dict) -> list[str]:
     out = []
     for twin, original in _twin_pairs(bench.get("rows") or []):
         a, b = original.get("decode_tokens_per_s") or {}, twin.get("decode_tokens_per_s") or {}
-        paired = [y / x for x, y in zip(a.get("runs") or [], b.get("runs") or []) if x]
+        paired = _paired_runs(twin, original)
         out.append((twin["twin_of"], _where(twin), _num(a.get("median"), 2), _num(b.get("median"), 2),
                     _ratio(_median_ratio(twin, original)), f"{min(paired):.2f}-{max(paired):.2f}x" if paired else "-"))
     if not out:
