@@ -66,10 +66,12 @@ class WaitingMachine(Machine):
     exponential draw per round, whose spread equals its mean); the engine reports the wait
     (``verify_io_wait_s``) inside ``verify_s``."""
 
-    def __init__(self, *args, wait_per_token: float, **kwargs) -> None:
+    def __init__(self, *args, wait_per_token: float, seed: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.wait_per_token = wait_per_token
         self.waits = random.Random(1)
+        if seed is not None:  # acceptance draws from seed, wait draws from seed + 1000
+            self.rng, self.waits = random.Random(seed), random.Random(seed + 1000)
 
     def mean_verify_s(self, width: int) -> float:
         return distinct_experts(width, 16, 2) * 4 * (self.per_expert + self.io * 0.3) + self.mean_wait_per_token(width) * width
@@ -93,9 +95,8 @@ class SharedStreamMachine(WaitingMachine):
     stream (measured there: 20-22 ms a verified token for k = 1..8, 17 at k = 12, 15 at k = 16)."""
 
     def __init__(self, *args, first_wait: float = 22e-3, wait_fall: float = 0.4e-3, seed: int = 0, **kwargs) -> None:
-        super().__init__(*args, wait_per_token=first_wait, **kwargs)
+        super().__init__(*args, wait_per_token=first_wait, seed=seed, **kwargs)
         self.first_wait, self.wait_fall = first_wait, wait_fall
-        self.rng, self.waits = random.Random(seed), random.Random(seed + 1000)
 
     def mean_wait_per_token(self, tokens: int) -> float:
         return max(0.0, self.first_wait - self.wait_fall * tokens)
@@ -109,9 +110,8 @@ class ExpertStreamMachine(WaitingMachine):
     expert of a layer for k = 4, 8, 16 and 32, against 24.6 down to 10.4 ms a verified token)."""
 
     def __init__(self, *args, stream_s: float, seed: int = 0, **kwargs) -> None:
-        super().__init__(*args, wait_per_token=0.0, **kwargs)
+        super().__init__(*args, wait_per_token=0.0, seed=seed, **kwargs)
         self.stream_s = stream_s
-        self.rng, self.waits = random.Random(seed), random.Random(seed + 1000)
 
     def mean_wait_per_token(self, tokens: int) -> float:
         return self.stream_s * 4 * distinct_experts(tokens, 16, 2) / tokens
