@@ -25,8 +25,8 @@ Contract:
   set of slots at a time (``compute(slots, ...)``, as their weights arrive) and summed over j once
   (``result``): the bits of ``native_grouped_experts`` in one call, for any split of the slots
   (``takes_native`` must hold; eager only: a wave's rows have a data-dependent count). With
-  ``silu_glu`` (the gate is ``is_silu_glu``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek) a wave of
-  one slot is one native call (``native_rows.glu_expert_rows``), the same bits.
+  ``silu_glu`` (the gate is ``is_silu_glu``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek) a wave is one
+  native call (``native_rows.glu_expert_groups``), each slot's rows read in place, the same bits.
 - ``supports(module)``: whether a transformers experts module has the layout this kernel covers
   (gated, [out, in] weights, no biases, no post-expert norm: Mixtral, Qwen2/3-MoE, OLMoE,
   DeepSeek, PhiMoE); other layouts use transformers' own kernel.
@@ -85,7 +85,7 @@ def grouped_experts(
 
 def is_silu_glu(module: nn.Module) -> bool:
     """Whether ``module``'s gate is transformers' default (``gate, up = chunk(2)``,
-    ``act_fn(gate) * up``) with a SiLU ``act_fn``: what ``native_rows.glu_expert_rows`` computes."""
+    ``act_fn(gate) * up``) with a SiLU ``act_fn``: what ``native_rows.glu_expert_groups`` computes."""
     return (_DEFAULT_APPLY_GATE is not None and getattr(type(module), "_apply_gate", None) is _DEFAULT_APPLY_GATE
             and type(getattr(module, "act_fn", None)) in _SILU_TYPES)
 
@@ -147,9 +147,17 @@ class PairsBySlot:
     def compute(self, slots: list[int], gate_up: Tensor, down: Tensor, apply_gate: ApplyGate,
                 silu_glu: bool = False) -> None:
         """The pairs of ``slots``; ``silu_glu``: ``apply_gate`` is a silu-gated GLU
-        (``is_silu_glu``), so a single slot's pairs run in one native call (same bits)."""
-        if len(slots) == 1:  # most waves on a slow link: the slot's rows are one range, read in place
-            self._compute_slot(slots[0], gate_up, down, apply_gate, silu_glu)
+        (``is_silu_glu``), so the wave is one native call, each slot's rows read in place (same bits)."""
+        if silu_glu:
+            native_rows.glu_expert_groups(self._output(down), self._x, gate_up, down, self._weights, slots,
+                                          [self._bounds[slot] for slot in slots])
+            return
+        if len(slots) == 1:  # the slot's rows are one range, read in place
+            start, end = self._bounds[slots[0]]
+            ends = torch.tensor([end - start], device=self._counts.device)
+            self._output(down)[start:end] = _sorted_pairs(self._x[start:end], self._weights[start:end],
+                                                          gate_up[slots[0] : slots[0] + 1],
+                                                          down[slots[0] : slots[0] + 1], ends, apply_gate)
             return
         in_set = torch.zeros_like(self._counts, dtype=torch.bool)
         in_set[torch.tensor(slots, device=in_set.device)] = True
@@ -157,17 +165,6 @@ class PairsBySlot:
         ends = torch.where(in_set, self._counts, 0).cumsum(0)
         out = _sorted_pairs(self._x[rows], self._weights[rows], gate_up, down, ends, apply_gate)
         self._output(down).index_copy_(0, rows, out)
-
-    def _compute_slot(self, slot: int, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate, silu_glu: bool) -> None:
-        start, end = self._bounds[slot]
-        if silu_glu:
-            native_rows.glu_expert_rows(self._output(down)[start:end], self._x[start:end], gate_up[slot], down[slot],
-                                        self._weights[start:end])
-            return
-        ends = torch.tensor([end - start], device=self._counts.device)
-        out = _sorted_pairs(self._x[start:end], self._weights[start:end], gate_up[slot : slot + 1],
-                            down[slot : slot + 1], ends, apply_gate)
-        self._output(down)[start:end] = out
 
     def _output(self, down: Tensor) -> Tensor:
         """The pairs' output buffer ``[T * k, H]`` (H from ``down``), allocated (zeros) by the first wave."""

@@ -15,6 +15,12 @@ Contract:
   RMS norm of one row (float32, ``normed = h * rsqrt(mean(h^2) + eps) * norm_weight``; the sum of
   squares in a different order from PyTorch's), then each [N_i, K] weight on it, outputs side by
   side (``specter_native::normed_rows``): the draft step's norm-and-projections in one call.
+- ``glu_expert_groups(out [P, H], x [P, H], gate_up [S, 2I, H], down [S, H, I], weights [P, 1],
+  groups, bounds)``: rows sorted by expert; for each expert ``g`` of ``groups`` and its rows
+  ``(start, end)`` in ``bounds``, ``(down[g] @ (silu(gate) * up)) * weights`` with ``[gate | up] =
+  gate_up[g] @ x``, written into those rows of ``out`` (others untouched): a verification wave of any
+  number of experts in one call, the bits of ``grouped_rows``, PyTorch's silu and mul called one
+  by one.
 - ``wide_rows(enabled=None) -> bool``: whether groups of two rows or more run the kernel's AVX-512
   forms (on by default where the CPU has AVX-512F/DQ/VL; one row always runs the AVX2 form).
   They give every row the AVX2 form's bits, lane for lane, and read a weight row once for up to
@@ -54,10 +60,13 @@ def grouped_rows(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     return torch.ops.specter_native.grouped_rows(x.contiguous(), w, ends)
 
 
-def glu_expert_rows(out: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor) -> None:
-    """One expert's silu-gated MLP on its rows into ``out`` (see the module docstring); ``serves``
-    must hold for ``x``, ``gate_up`` and ``down``."""
-    torch.ops.specter_native.glu_expert_rows(out, x.contiguous(), gate_up, down, weights)
+def glu_expert_groups(out: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor,
+                      groups: list[int], bounds: list[tuple[int, int]]) -> None:
+    """Expert ``g``'s silu-gated MLP on rows ``start .. end`` of ``x`` into the same rows of
+    ``out``, for each ``g`` of ``groups`` and its ``(start, end)`` in ``bounds`` (see the module
+    docstring); ``serves`` must hold for ``x``, ``gate_up`` and ``down``."""
+    torch.ops.specter_native.glu_expert_groups(out, x.contiguous(), gate_up, down, weights, groups,
+                                               [start for start, _ in bounds], [end for _, end in bounds])
 
 
 def wide_rows(enabled: bool | None = None) -> bool:

@@ -97,10 +97,14 @@ def test_pairs_by_slot_computed_in_any_split_of_the_slots_have_the_bits_of_one_p
     for slot in used + [s for s in range(SLOTS) if s not in used]:  # unused slots: no rows
         one_by_one.compute([slot], gate_up, down, wide_gate)
     assert torch.equal(one_by_one.result(), one_pass)
-    fused = PairsBySlot(x, ids, weights, SLOTS)  # single-slot waves in one native call each
-    for slot in used:
-        fused.compute([slot], gate_up, down, wide_gate, silu_glu=True)
+    fused = PairsBySlot(x, ids, weights, SLOTS)  # the waves in one native call each
+    for wave in waves:
+        fused.compute(wave, gate_up, down, wide_gate, silu_glu=True)
     assert torch.equal(fused.result(), one_pass)
+    fused_one_by_one = PairsBySlot(x, ids, weights, SLOTS)
+    for slot in used:
+        fused_one_by_one.compute([slot], gate_up, down, wide_gate, silu_glu=True)
+    assert torch.equal(fused_one_by_one.result(), one_pass)
     partial = PairsBySlot(x, ids, weights, SLOTS)
     partial.compute(used[:1], gate_up, down, wide_gate)
     if len(used) > 1:  # pairs of slots never computed count as zero

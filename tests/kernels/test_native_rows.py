@@ -144,18 +144,27 @@ def test_normed_rows_refuses_what_it_cannot_compute() -> None:
 
 
 @needs_native
-def test_glu_expert_rows_writes_the_gated_mlp_of_its_rows_and_refuses_bad_shapes() -> None:
+def test_glu_expert_groups_writes_each_listed_experts_gated_mlp_into_its_rows_only() -> None:
     gen = torch.Generator().manual_seed(5)
-    hidden, inter, rows = 32, 48, 5
-    x, gate_up = torch.randn(rows, hidden, generator=gen), torch.randn(2 * inter, hidden, generator=gen)
-    down, weights = torch.randn(hidden, inter, generator=gen), torch.rand(rows, 1, generator=gen)
-    buffer = torch.full((rows + 2, hidden), 7.0)
-    native_rows.glu_expert_rows(buffer[1 : rows + 1], x, gate_up, down, weights)
-    h = x.double() @ gate_up.double().T
-    expected = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down.double().T * weights.double()
-    torch.testing.assert_close(buffer[1 : rows + 1].double(), expected, rtol=1e-4, atol=1e-4)
-    assert bool((buffer[0] == 7.0).all()) and bool((buffer[-1] == 7.0).all())  # only its rows written
+    hidden, inter, experts, rows = 32, 48, 4, 9
+    x = torch.randn(rows, hidden, generator=gen)  # rows sorted by expert: 0..2 expert 3, 2..6 expert 1, 6..9 expert 0
+    gate_up, down = torch.randn(experts, 2 * inter, hidden, generator=gen), torch.randn(experts, hidden, inter, generator=gen)
+    weights = torch.rand(rows, 1, generator=gen)
+    out = torch.full((rows, hidden), 7.0)
+    native_rows.glu_expert_groups(out, x, gate_up, down, weights, [3, 1], [(0, 2), (2, 6)])
+
+    def expected(expert: int, start: int, end: int) -> torch.Tensor:
+        h = x[start:end].double() @ gate_up[expert].double().T
+        return (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down[expert].double().T * weights[start:end].double()
+
+    torch.testing.assert_close(out[0:2].double(), expected(3, 0, 2), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[2:6].double(), expected(1, 2, 6), rtol=1e-4, atol=1e-4)
+    assert bool((out[6:] == 7.0).all())  # expert 0's rows were not listed: untouched
     with pytest.raises(RuntimeError, match="down must be"):
-        native_rows.glu_expert_rows(buffer[1 : rows + 1], x, gate_up, down.T.contiguous(), weights)
+        native_rows.glu_expert_groups(out, x, gate_up, down.transpose(1, 2).contiguous(), weights, [0], [(6, 9)])
     with pytest.raises(RuntimeError, match="weights must be"):
-        native_rows.glu_expert_rows(buffer[1 : rows + 1], x, gate_up, down, weights[:2])
+        native_rows.glu_expert_groups(out, x, gate_up, down, weights[:2], [0], [(6, 9)])
+    with pytest.raises(RuntimeError, match="out of range"):
+        native_rows.glu_expert_groups(out, x, gate_up, down, weights, [experts], [(6, 9)])
+    with pytest.raises(RuntimeError, match="not within"):
+        native_rows.glu_expert_groups(out, x, gate_up, down, weights, [0], [(6, rows + 1)])

@@ -10,8 +10,9 @@
 // row's result depends on its values, the weight and K only, never on how many rows its group has.
 //   normed_rows(h float32 [1, K], norm_weight [K], eps, weights [N_i, K]...) -> (normed [1, K],
 //   [1, sum N_i]): an RMS norm, then every weight on the normed row, outputs side by side.
-//   glu_expert_rows(out [R, H], x [R, H], gate_up [2I, H], down [H, I], weights [R, 1]): one
-//   expert's silu-gated MLP on its rows, scaled per row, written into out.
+//   glu_expert_groups(out [P, H], x [P, H], gate_up [S, 2I, H], down [S, H, I], weights [P, 1],
+//   groups, starts, ends): for each listed expert g, the silu-gated MLP of its rows starts .. ends
+//   (pairs sorted by expert), scaled per row, written into those rows of out.
 //   wide_rows(mode) -> 0 | 1: whether groups of two rows or more take the AVX-512 forms (below).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -90,7 +91,7 @@ void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* ou
 
 // Two rows or more go through the AVX-512 forms (rows_math512.h: the same bits) where the CPU has
 // them, up to kWideRows rows a pass. One thread, this VM's Xeon, 24 [8192, 256] + [256, 4096]
-// experts cycled (from memory), one expert's rows through glu_expert_rows, AVX2 against AVX-512:
+// experts cycled (from memory), one expert's rows through its gated MLP (glu_expert_groups), AVX2 against AVX-512:
 // 2 / 3 / 4 / 8 / 12 rows 1.02 / 1.07 / 1.14 / 1.33 / 1.52 against 0.95 / 1.05 / 1.09 / 1.24 /
 // 1.39 ms; from the caches (one expert) 4 / 8 / 12 rows 0.52 / 0.82 / 1.13 against 0.49 / 0.70 /
 // 0.95. One row stays in AVX2 (0.94 ms either way), and three rows of a short weight row go as two
@@ -138,6 +139,20 @@ void rows_times_weight(const float* xp, int64_t start, int64_t end, const float*
   });
 }
 
+// One expert's gated MLP on rows x [R, H] into out [R, H]: out = (down @ (silu(gate) * up)) * weights
+// with [gate | up] = gate_up @ x, the bits of grouped_rows, PyTorch's silu and mul, grouped_rows and
+// mul called one by one (the same kernels).
+void glu_rows(at::Tensor out, const at::Tensor& x, const float* gate_up, const float* down, const at::Tensor& weights,
+              int64_t inter) {
+  const int64_t r = x.size(0), h = x.size(1);
+  auto hidden = at::empty({r, 2 * inter}, x.options());
+  rows_times_weight(x.data_ptr<float>(), 0, r, gate_up, 2 * inter, h, hidden.data_ptr<float>());
+  auto gated = at::mul(at::silu(hidden.narrow(1, 0, inter)), hidden.narrow(1, inter, inter)).contiguous();
+  auto rows = at::empty({r, h}, x.options());
+  rows_times_weight(gated.data_ptr<float>(), 0, r, down, h, inter, rows.data_ptr<float>());
+  at::mul_out(out, rows, weights);
+}
+
 }  // namespace
 
 at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends) {
@@ -166,30 +181,38 @@ at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return out;
 }
 
-// One expert's gated MLP on its rows, into `out`: out = (down @ (silu(gate) * up)) * weights with
-// [gate | up] = gate_up @ x, the bits of grouped_rows, PyTorch's silu and mul, grouped_rows and mul
-// called one by one (the same kernels), in one call: a verification wave of one expert.
-void glu_expert_rows(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                     const at::Tensor& weights) {
+// Pairs sorted by expert, x [P, H]: for each g of `groups`, rows starts[i] .. ends[i] through
+// expert g's gated MLP (gate_up [S, 2I, H], down [S, H, I]), scaled by their weights [P, 1], into
+// the same rows of out [P, H]; other rows untouched. A verification wave (the experts whose copies
+// have landed) in one call, each expert's rows read in place.
+void glu_expert_groups(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                       const at::Tensor& weights, at::IntArrayRef groups, at::IntArrayRef starts, at::IntArrayRef ends) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "glu_expert_rows: x must be a contiguous float32 [R, H] tensor");
-  const int64_t r = x.size(0), h = x.size(1), two_i = gate_up.size(0), inter = two_i / 2;
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) == h && two_i % 2 == 0 && gate_up.scalar_type() == at::kFloat &&
+              "glu_expert_groups: x must be a contiguous float32 [P, H] tensor");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "glu_expert_groups: gate_up and down must be [S, 2I, H] and [S, H, I]");
+  const int64_t p = x.size(0), h = x.size(1), s = gate_up.size(0), two_i = gate_up.size(1), inter = two_i / 2;
+  TORCH_CHECK(gate_up.size(2) == h && two_i % 2 == 0 && gate_up.scalar_type() == at::kFloat &&
                   gate_up.is_contiguous() && h % 16 == 0,
-              "glu_expert_rows: gate_up must be a contiguous float32 [2I, H] tensor, H a multiple of 16");
-  TORCH_CHECK(down.dim() == 2 && down.size(0) == h && down.size(1) == inter && down.scalar_type() == at::kFloat &&
-                  down.is_contiguous() && inter % 16 == 0,
-              "glu_expert_rows: down must be a contiguous float32 [H, I] tensor, I a multiple of 16");
-  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == r && weights.size(1) == 1 && weights.scalar_type() == at::kFloat,
-              "glu_expert_rows: weights must be a float32 [R, 1] tensor");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == r && out.size(1) == h && out.scalar_type() == at::kFloat,
-              "glu_expert_rows: out must be a float32 [R, H] tensor");
-  auto hidden = at::empty({r, two_i}, x.options());
-  rows_times_weight(x.data_ptr<float>(), 0, r, gate_up.data_ptr<float>(), two_i, h, hidden.data_ptr<float>());
-  auto gated = at::mul(at::silu(hidden.narrow(1, 0, inter)), hidden.narrow(1, inter, inter)).contiguous();
-  auto rows = at::empty({r, h}, x.options());
-  rows_times_weight(gated.data_ptr<float>(), 0, r, down.data_ptr<float>(), h, inter, rows.data_ptr<float>());
-  at::mul_out(out, rows, weights);
+              "glu_expert_groups: gate_up must be a contiguous float32 [S, 2I, H] tensor, H a multiple of 16");
+  TORCH_CHECK(down.size(0) == s && down.size(1) == h && down.size(2) == inter &&
+                  down.scalar_type() == at::kFloat && down.is_contiguous() && inter % 16 == 0,
+              "glu_expert_groups: down must be a contiguous float32 [S, H, I] tensor, I a multiple of 16");
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == p && weights.size(1) == 1 && weights.scalar_type() == at::kFloat,
+              "glu_expert_groups: weights must be a float32 [P, 1] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == p && out.size(1) == h && out.scalar_type() == at::kFloat,
+              "glu_expert_groups: out must be a float32 [P, H] tensor");
+  TORCH_CHECK(starts.size() == groups.size() && ends.size() == groups.size(),
+              "glu_expert_groups: groups, starts and ends must have the same length");
+  const float* gate_up_p = gate_up.data_ptr<float>();
+  const float* down_p = down.data_ptr<float>();
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const int64_t g = groups[i], start = starts[i], end = ends[i];
+    TORCH_CHECK(0 <= g && g < s, "glu_expert_groups: group ", g, " out of range 0..", s - 1);
+    TORCH_CHECK(0 <= start && start <= end && end <= p, "glu_expert_groups: rows ", start, "..", end, " not within 0..", p);
+    if (end == start) continue;
+    glu_rows(out.narrow(0, start, end - start), x.narrow(0, start, end - start), gate_up_p + g * two_i * h,
+             down_p + g * h * inter, weights.narrow(0, start, end - start), inter);
+  }
 }
 
 // One row through an RMS norm and then several weights: normed = h * rsqrt(mean(h^2) + eps) *
@@ -239,11 +262,12 @@ TORCH_LIBRARY_FRAGMENT(specter_native, m) {
   m.def("wide_rows(int mode) -> int", &wide_rows);  // no tensor: one kernel for every backend
   m.def("grouped_rows(Tensor x, Tensor w, Tensor ends) -> Tensor");
   m.def("normed_rows(Tensor h, Tensor norm_weight, float eps, Tensor[] weights) -> (Tensor, Tensor)");
-  m.def("glu_expert_rows(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor down, Tensor weights) -> ()");
+  m.def("glu_expert_groups(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor down, Tensor weights, int[] groups, "
+        "int[] starts, int[] ends) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
   m.impl("grouped_rows", &grouped_rows);
   m.impl("normed_rows", &normed_rows);
-  m.impl("glu_expert_rows", &glu_expert_rows);
+  m.impl("glu_expert_groups", &glu_expert_groups);
 }
