@@ -205,6 +205,33 @@ def test_compiled_against_eager_pairs_rows_of_one_label_and_cell(bench):
                          "1 within the A/A noise floor (5.0%).")
 
 
+
+def test_a_row_with_twins_of_its_own_is_judged_against_its_own_floor(bench):
+    rows = bench["rows"]
+
+    def row(label: str, link: str, compiled: bool) -> dict:
+        return next(r for r in rows if r["label"] == label and r["link"] == link and r["compile"] == compiled)
+
+    def scale(target: dict, base: dict, factor: float) -> None:
+        runs = base["decode_tokens_per_s"]["runs"]
+        target["decode_tokens_per_s"] = {"median": base["decode_tokens_per_s"]["median"] * factor,
+                                         "runs": [x * factor for x in runs]}
+
+    for label, gap in (("specter k=4", 0.02), ("specter roofline", 0.08)):
+        eager = row(label, "slow", False)
+        twin = {**eager, "label": f"{label} (twin)", "twin_of": label}
+        scale(twin, eager, 1 - gap)
+        rows.append(twin)
+    scale(row("specter roofline", "slow", True), row("specter roofline", "slow", False), 0.95)  # inside its 8%
+    scale(row("specter k=4", "slow", True), row("specter k=4", "slow", False), 0.95)  # outside its 2%
+    scale(row("ondemand", "slow", True), row("ondemand", "slow", False), 0.97)  # no twins: the smallest floor, 2%
+    lines = [line for line in _sections(markdown(bench))["Compiled against eager"] if line]
+    assert lines[-1].endswith("; of those below, 1 within the A/A noise floor (specter k=4 2.0%, specter roofline "
+                              "8.0%; other rows the smallest).")
+    twins = _sections(markdown(bench))["Noise floor: identical engines (A/A)"]
+    assert twins[-1].startswith("Two identical engines landed up to 8.0% apart (medians) in this run (by row: "
+                                "specter k=4 2.0%, specter roofline 8.0%)")
+
 def test_extra_sections_skipped_when_empty(sparse_bench):
     for row in sparse_bench["rows"]:
         row.pop("phases", None)
