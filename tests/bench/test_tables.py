@@ -205,7 +205,6 @@ def test_compiled_against_eager_pairs_rows_of_one_label_and_cell(bench):
                          "1 within the A/A noise floor (5.0%).")
 
 
-
 def test_a_row_with_twins_of_its_own_is_judged_against_its_own_floor(bench):
     rows = bench["rows"]
 
@@ -231,6 +230,7 @@ def test_a_row_with_twins_of_its_own_is_judged_against_its_own_floor(bench):
     twins = _sections(markdown(bench))["Noise floor: identical engines (A/A)"]
     assert twins[-1].startswith("Two identical engines landed up to 8.0% apart (medians) in this run (by row: "
                                 "specter k=4 2.0%, specter roofline 8.0%)")
+
 
 def test_extra_sections_skipped_when_empty(sparse_bench):
     for row in sparse_bench["rows"]:

@@ -91,10 +91,10 @@ void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* ou
 
 // Two rows or more go through the AVX-512 forms (rows_math512.h: the same bits) where the CPU has
 // them, up to kWideRows rows a pass. One thread, this VM's Xeon, 24 [8192, 256] + [256, 4096]
-// experts cycled (from memory), one expert's rows through its gated MLP (glu_expert_groups), AVX2 against AVX-512:
-// 2 / 3 / 4 / 8 / 12 rows 1.02 / 1.07 / 1.14 / 1.33 / 1.52 against 0.95 / 1.05 / 1.09 / 1.24 /
-// 1.39 ms; from the caches (one expert) 4 / 8 / 12 rows 0.52 / 0.82 / 1.13 against 0.49 / 0.70 /
-// 0.95. One row stays in AVX2 (0.94 ms either way), and three rows of a short weight row go as two
+// experts cycled (from memory), one expert's rows through its gated MLP (glu_expert_groups), AVX2
+// against AVX-512: 2 / 3 / 4 / 8 / 12 rows 1.02 / 1.07 / 1.14 / 1.33 / 1.52 against 0.95 / 1.05 /
+// 1.09 / 1.24 / 1.39 ms; from the caches (one expert) 4 / 8 / 12 rows 0.52 / 0.82 / 1.13 against
+// 0.49 / 0.70 / 0.95. One row stays in AVX2 (0.94 ms either way), and three rows of a short weight row go as two
 // and one, as in dot_any (from the caches 0.49 against 0.53 ms as three).
 std::atomic<bool> wide_enabled{true};
 
@@ -142,8 +142,8 @@ void rows_times_weight(const float* xp, int64_t start, int64_t end, const float*
 // One expert's gated MLP on rows x [R, H] into out [R, H]: out = (down @ (silu(gate) * up)) * weights
 // with [gate | up] = gate_up @ x, the bits of grouped_rows, PyTorch's silu and mul, grouped_rows and
 // mul called one by one (the same kernels).
-void glu_rows(at::Tensor out, const at::Tensor& x, const float* gate_up, const float* down, const at::Tensor& weights,
-              int64_t inter) {
+void glu_rows(at::Tensor out, const at::Tensor& x, const float* gate_up, const float* down,
+              const at::Tensor& weights, int64_t inter) {
   const int64_t r = x.size(0), h = x.size(1);
   auto hidden = at::empty({r, 2 * inter}, x.options());
   rows_times_weight(x.data_ptr<float>(), 0, r, gate_up, 2 * inter, h, hidden.data_ptr<float>());
@@ -186,10 +186,12 @@ at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // the same rows of out [P, H]; other rows untouched. A verification wave (the experts whose copies
 // have landed) in one call, each expert's rows read in place.
 void glu_expert_groups(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                       const at::Tensor& weights, at::IntArrayRef groups, at::IntArrayRef starts, at::IntArrayRef ends) {
+                       const at::Tensor& weights, at::IntArrayRef groups, at::IntArrayRef starts,
+                       at::IntArrayRef ends) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "glu_expert_groups: x must be a contiguous float32 [P, H] tensor");
-  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "glu_expert_groups: gate_up and down must be [S, 2I, H] and [S, H, I]");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3,
+              "glu_expert_groups: gate_up and down must be [S, 2I, H] and [S, H, I]");
   const int64_t p = x.size(0), h = x.size(1), s = gate_up.size(0), two_i = gate_up.size(1), inter = two_i / 2;
   TORCH_CHECK(gate_up.size(2) == h && two_i % 2 == 0 && gate_up.scalar_type() == at::kFloat &&
                   gate_up.is_contiguous() && h % 16 == 0,
@@ -208,7 +210,8 @@ void glu_expert_groups(at::Tensor out, const at::Tensor& x, const at::Tensor& ga
   for (size_t i = 0; i < groups.size(); ++i) {
     const int64_t g = groups[i], start = starts[i], end = ends[i];
     TORCH_CHECK(0 <= g && g < s, "glu_expert_groups: group ", g, " out of range 0..", s - 1);
-    TORCH_CHECK(0 <= start && start <= end && end <= p, "glu_expert_groups: rows ", start, "..", end, " not within 0..", p);
+    TORCH_CHECK(0 <= start && start <= end && end <= p, "glu_expert_groups: rows ", start, "..", end,
+                " not within 0..", p);
     if (end == start) continue;
     glu_rows(out.narrow(0, start, end - start), x.narrow(0, start, end - start), gate_up_p + g * two_i * h,
              down_p + g * h * inter, weights.narrow(0, start, end - start), inter);
