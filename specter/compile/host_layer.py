@@ -48,12 +48,12 @@ copy, as on the eager path, at a host cost per wave (the runtime's grouping and 
 0.1-0.25 ms a wave on this VM) that only large experts repay: the bundled model's 0.75 MiB
 experts ran 8% slower that way (compiled ``ondemand``, 50% on an emulated 1 GB/s link), the
 widened model's 12 MiB ones 4-8% faster (25% on 2 GB/s, 50% ``local``); a 4 MiB expert computes
-in about 0.3 ms at 13 GB/s. CPU only: a CUDA graph cannot call the host. Releasing before telling the observers (it was
-after): bundled model, one process, six runs each, compiled against eager with the old order /
-the new: 25% on 0.1 GB/s, k = 4: 0.992x / 0.995x, hit rate 0.843 / 0.938; 25% on 1 GB/s, k = 4:
-1.056x / 1.078x, hit rate 0.897 / 0.922; 50% on 1 GB/s, roofline: 0.960x / 0.994x and 1.028x /
-1.014x in two processes (hit rate 0.974 / 0.996, 0.965 / 1.000); 50% on 0.1 GB/s, k = 4: 1.007x
-both.
+in about 0.3 ms at 13 GB/s. CPU only: a CUDA graph cannot call the host. Releasing before telling
+the observers (it was after): bundled model, one process, six runs each, compiled against eager
+with the old order / the new: 25% on 0.1 GB/s, k = 4: 0.992x / 0.995x, hit rate 0.843 / 0.938;
+25% on 1 GB/s, k = 4: 1.056x / 1.078x, hit rate 0.897 / 0.922; 50% on 1 GB/s, roofline: 0.960x /
+0.994x and 1.028x / 1.014x in two processes (hit rate 0.974 / 0.996, 0.965 / 1.000); 50% on
+0.1 GB/s, k = 4: 1.007x both.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ class RooflineGovernor(Governor):
     def always_streams(self) -> bool:
         """Whether every round streams: ``FRONTIER_STEP`` drafts read more experts than a layer's slots."""
         capacity = self.cache_slots_per_layer
-        return capacity is not None and distinct_experts(FRONTIER_STEP + 1, self.n_experts, self.top_k) > capacity
+        return capacity is not None and self._distinct(FRONTIER_STEP + 1) > capacity
 
     def frontier(self) -> int:
         """The widest k that may be chosen or probed now: ``FRONTIER_STEP`` beyond the widest k

@@ -94,8 +94,8 @@ void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* ou
 // experts cycled (from memory), one expert's rows through its gated MLP (glu_expert_groups), AVX2
 // against AVX-512: 2 / 3 / 4 / 8 / 12 rows 1.02 / 1.07 / 1.14 / 1.33 / 1.52 against 0.95 / 1.05 /
 // 1.09 / 1.24 / 1.39 ms; from the caches (one expert) 4 / 8 / 12 rows 0.52 / 0.82 / 1.13 against
-// 0.49 / 0.70 / 0.95. One row stays in AVX2 (0.94 ms either way), and three rows of a short weight row go as two
-// and one, as in dot_any (from the caches 0.49 against 0.53 ms as three).
+// 0.49 / 0.70 / 0.95. One row stays in AVX2 (0.94 ms either way), and three rows of a short
+// weight row go as two and one, as in dot_any (from the caches 0.49 against 0.53 ms as three).
 std::atomic<bool> wide_enabled{true};
 
 bool wide_supported() {
