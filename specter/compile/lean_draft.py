@@ -189,7 +189,7 @@ class LeanDraftStep:
     def step(self, token: int, kv, logits: bool = True, ahead: int | None = None) -> Tensor | None:
         """One token through the model, draft experts and all: fp32 logits [V]; appends to ``kv``.
         ``logits=False`` (a step run for its routing only) skips the final norm and LM head and
-        returns None. ``ahead`` (a round's step index, 0, 1, ... in turn; taken with a
+        the last layer's experts (the observers still hear its routing) and returns None. ``ahead`` (a round's step index, 0, 1, ... in turn; taken with a
         transformers cache and ``native_layers``): the token sits ``ahead`` positions past
         ``kv``'s end, the round's earlier steps' K/V are held beside ``kv`` and this step's joins
         them; ``kv`` is left as it was (appending copied the whole cache a layer a step)."""
@@ -202,10 +202,14 @@ class LeanDraftStep:
             position += ahead
         cos, sin = self._rope(position)
         h = self.embed[token][None]  # [1, H]
+        last = len(self.weights) - 1
         for layer, w in enumerate(self.weights):
             if self.native_layers:
                 h, x, top_k_weights, top_k_index = self._native_attention(layer, w, h, cos, sin, kv, position,
                                                                           static, ahead)  # [1, k]
+                if layer == last and not logits:  # its experts' output feeds nothing a routing-only step returns
+                    self.runtime.notify(layer, x, top_k_index, top_k_weights)
+                    continue
                 h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
                 continue
             q, k, v = self._queries_keys_values(w, h, cos, sin)
@@ -221,6 +225,9 @@ class LeanDraftStep:
             h = h + self.project(attended.reshape(1, -1), w.o, w.o_bias)
             x, (router_logits,) = self._norm_project(h, w.post_norm, [w.router], [None])
             top_k_weights, top_k_index = select_experts(arch, router_logits)  # [1, k]
+            if layer == last and not logits:
+                self.runtime.notify(layer, x, top_k_index, top_k_weights)
+                continue
             h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
         if static:
             kv.length = position + 1

@@ -171,19 +171,24 @@ def test_other_models_draft_through_their_own_forward(name, reason, checkpoints)
         engine.close()
 
 
-def test_a_routing_only_step_routes_and_caches_as_a_full_step_without_logits(checkpoints):
+def test_a_routing_only_step_routes_and_caches_as_a_full_step_without_logits(checkpoints, monkeypatch):
     engine = build(checkpoints["mixtral"])
     try:
         seen = routing_log(engine)
+        computed: list[int] = []
+        forward = engine.runtime.forward
+        monkeypatch.setattr(engine.runtime, "forward", lambda layer, *rest: computed.append(layer) or forward(layer, *rest))
         runs = []
         for logits in (True, False):
             kv = engine.new_kv_cache()
             with torch.inference_mode(), engine.runtime.drafting():
                 engine.forward_logits(torch.tensor([PROMPT]), kv)
-                start = len(seen)
+                start, computed[:] = len(seen), []
                 out = engine.lean_draft.step(42, kv, logits=logits)
-            runs.append((out, kv.get_seq_length(), seen[start:], kv.layers[0].keys.clone()))
-        (full, full_len, full_seen, full_keys), (none, none_len, none_seen, none_keys) = runs
+            runs.append((out, kv.get_seq_length(), seen[start:], kv.layers[0].keys.clone(), list(computed)))
+        (full, full_len, full_seen, full_keys, full_computed), (none, none_len, none_seen, none_keys, none_computed) = runs
+        # the last layer's experts feed only the LM head's input: a routing-only step leaves them out
+        assert full_computed == [0, 1, 2] and none_computed == [0, 1]
         assert full is not None and full.shape == (engine.model.config.vocab_size,) and none is None
         assert full_len == none_len == len(PROMPT) + 1
         assert len(none_seen) == len(full_seen) == 3  # every MoE layer's routing, as the full step
