@@ -13,7 +13,8 @@ transformers cache, or the compiled decoder's ``StaticKV``, written in place, it
 advanced), computes the routed experts through ``runtime.forward`` (in draft mode: the INT4
 experts; the observers see each layer's (layer, expert input, top_k_index, top_k_weights, mode)
 as from the model's forward) and returns fp32 logits [V] (``logits=False``: None, without the LM
-head, for the routing-only step). ``step(token, kv, ahead=i)`` (the engines' rounds: i = 0, 1, ...)
+head or the last layer's experts, whose routing the observers still see, for the routing-only
+step). ``step(token, kv, ahead=i)`` (the engines' rounds: i = 0, 1, ...)
 leaves a transformers cache as it was and holds the round's K/V beside it, where the native
 layer half serves (below); a cache's ``update`` copies the whole cache a layer a step (widened
 model, 50% on ``local``, k = 8, eight runs each way toggled in one process: draft step 2.71
