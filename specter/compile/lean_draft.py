@@ -190,10 +190,11 @@ class LeanDraftStep:
     def step(self, token: int, kv, logits: bool = True, ahead: int | None = None) -> Tensor | None:
         """One token through the model, draft experts and all: fp32 logits [V]; appends to ``kv``.
         ``logits=False`` (a step run for its routing only) skips the final norm and LM head and
-        the last layer's experts (the observers still hear its routing) and returns None. ``ahead`` (a round's step index, 0, 1, ... in turn; taken with a
-        transformers cache and ``native_layers``): the token sits ``ahead`` positions past
-        ``kv``'s end, the round's earlier steps' K/V are held beside ``kv`` and this step's joins
-        them; ``kv`` is left as it was (appending copied the whole cache a layer a step)."""
+        the last layer's experts (the observers still hear its routing) and returns None.
+        ``ahead`` (a round's step index, 0, 1, ... in turn; taken with a transformers cache and
+        ``native_layers``): the token sits ``ahead`` positions past ``kv``'s end, the round's
+        earlier steps' K/V are held beside ``kv`` and this step's joins them; ``kv`` is left as it
+        was (appending copied the whole cache a layer a step)."""
         arch = self.arch
         position = kv.get_seq_length()
         static = isinstance(kv, StaticKV)

@@ -171,9 +171,11 @@ def test_other_models_draft_through_their_own_forward(name, reason, checkpoints)
         engine.close()
 
 
-def test_a_routing_only_step_routes_and_caches_as_a_full_step_without_logits(checkpoints, monkeypatch):
+@pytest.mark.parametrize("native_layers", [True, False])
+def test_a_routing_only_step_routes_and_caches_as_a_full_step_without_logits(native_layers, checkpoints, monkeypatch):
     engine = build(checkpoints["mixtral"])
     try:
+        engine.lean_draft.native_layers = native_layers and engine.lean_draft.native_layers
         seen = routing_log(engine)
         computed: list[int] = []
         forward = engine.runtime.forward
