@@ -246,10 +246,10 @@ def governor_section(bench: dict) -> list[str]:
     for row in rows:
         summary = row["governor_summary"]
         histogram = row.get("k_histogram") or {}
-        error = summary.get("prediction_error")
+        error, total = summary.get("prediction_error"), summary.get("prediction_total_error")
         out.append((f"{row.get('label') or row.get('engine') or '?'} ({summary['name']})", _where(row),
                     " ".join(f"{k}:{n}" for k, n in sorted(histogram.items(), key=lambda kv: int(kv[0]))) or "-",
-                    "-" if error is None else f"{error * 100:.1f}%",
+                    "-" if error is None else f"{error:.1%}" + ("" if total is None else f" ({total:.1%} total)"),
                     "-" if summary.get("probes") is None else summary["probes"],
                     "-" if summary.get("cut_rounds") is None else summary["cut_rounds"]))
         key = (row.get("budget"), row.get("link"), bool(row.get("compile")))

@@ -390,11 +390,11 @@ class RooflineGovernor(Governor):
     def summary(self) -> dict:
         """The report's governor entry: the roofline table, and over the rounds since
         ``new_report``, the k chosen per round and how far the predicted round times were from
-        the measured ones."""
+        the measured ones (``prediction_by_k``; the errors: at the k of most rounds)."""
         history = self.history[self._report_from:]
         per_k = prediction_by_k(history)
-        main = max(per_k.values(), key=lambda row: row["rounds"], default=None)
+        main = max(per_k.values(), key=lambda row: row["rounds"], default={})
         return {"name": self.name, "k_max": self.k_max, "table": self.table(),
                 "trace": [h["k"] for h in history], "probes": sum(h["probe"] for h in history),
-                "cut_rounds": sum(h["cut"] for h in history),
-                "prediction": per_k, "prediction_error": main["error"] if main else None}
+                "cut_rounds": sum(h["cut"] for h in history), "prediction": per_k,
+                "prediction_error": main.get("error"), "prediction_total_error": main.get("total_error")}

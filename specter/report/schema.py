@@ -111,8 +111,10 @@ def _fmt(value, spec: str = ".3g") -> str:
 def _governor_text(governor: dict | None) -> str:
     if not governor:
         return "-"
-    error = governor.get("prediction_error")
-    return f"{governor.get('name')}" + ("" if error is None else f" ({error:.1%})")
+    error, total = governor.get("prediction_error"), governor.get("prediction_total_error")
+    if error is None:
+        return f"{governor.get('name')}"
+    return f"{governor.get('name')} ({error:.1%} median" + ("" if total is None else f", {total:.1%} total") + ")"
 
 
 def format_summary(report: dict) -> str:

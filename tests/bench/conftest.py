@@ -24,8 +24,9 @@ def governor_summary(scale: float) -> dict:
     table = [{"k": k, "expected_accepted": accepted[k], "predicted_round_s": 0.05 + 0.012 * k,
               "predicted_tokens_per_s": scale * (1 + accepted[k]) / (0.05 + 0.012 * k)} for k in range(9)]
     return {"name": "roofline", "k_max": 8, "table": table, "trace": list(TRACE), "probes": 5, "cut_rounds": 2,
-            "prediction": {"3": {"rounds": 40, "predicted_s": 0.1, "measured_s": 0.11, "error": 0.09}},
-            "prediction_error": 0.09}
+            "prediction": {"3": {"rounds": 40, "predicted_s": 0.1, "measured_s": 0.11, "error": 0.09,
+                                 "total_error": 0.02}},
+            "prediction_error": 0.09, "prediction_total_error": 0.02}
 
 
 def _tokens(median: float | None) -> dict:

@@ -3,6 +3,8 @@ round far off is held back and dropped, two in a row are a change; and what a ne
 
 from __future__ import annotations
 
+import pytest
+
 from specter.decode.roofline import RooflineGovernor
 from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch, prediction_by_k
 
@@ -101,7 +103,7 @@ def test_after_a_new_link_where_waits_are_reported_only_the_waits_and_the_plain_
     assert settled(chosen) >= 6 and sum(t for t, _ in log[2:]) / sum(s for _, s in log[2:]) >= 0.9 * best
 
 
-def test_prediction_by_k_takes_medians_of_chosen_rounds_only():
+def test_prediction_by_k_takes_medians_and_totals_of_chosen_rounds_only():
     def entry(k, predicted, measured, **flags):
         return {"k": k, "predicted_round_s": predicted, "measured_round_s": measured,
                 "probe": False, "cut": False, "trial": False, **flags}
@@ -109,4 +111,15 @@ def test_prediction_by_k_takes_medians_of_chosen_rounds_only():
     history = [entry(4, 0.10, 0.08), entry(4, 0.10, 0.12), entry(4, 0.20, 0.10),
                entry(4, 0.5, 0.01, probe=True), entry(2, 0.05, 0.5, cut=True), entry(2, 0.05, 0.5, trial=True),
                entry(6, None, 0.2)]
-    assert prediction_by_k(history) == {"4": {"rounds": 3, "predicted_s": 0.10, "measured_s": 0.10, "error": 0.0}}
+    got = prediction_by_k(history)
+    assert got.keys() == {"4"} and got["4"]["rounds"] == 3 and got["4"]["error"] == 0.0
+    assert (got["4"]["predicted_s"], got["4"]["measured_s"]) == (0.10, 0.10)
+    assert got["4"]["total_error"] == pytest.approx(0.10 / 0.30)  # sums 0.40 predicted against 0.30
+
+
+def test_a_skewed_round_time_parts_the_medians_but_not_the_totals():
+    rounds = [(0.03, 0.01)] * 3 + [(0.03, 0.09)]  # most rounds wait nothing, one waits long: mean 0.03
+    history = [{"k": 7, "predicted_round_s": p, "measured_round_s": m, "probe": False, "cut": False,
+                "trial": False} for p, m in rounds]
+    got = prediction_by_k(history)["7"]
+    assert got["error"] == pytest.approx(2.0) and got["total_error"] == pytest.approx(0.0, abs=1e-12)

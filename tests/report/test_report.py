@@ -133,3 +133,6 @@ def test_format_summary_renders_full_and_sparse_reports(model):
     assert "emulated 2.0 GB/s 20.0 us (emulated)" in text
     assert any(line.startswith("lossless") and line.rstrip().endswith("True") for line in text.splitlines())
     assert any(line.startswith("hit rate") and "0.75" in line for line in text.splitlines())
+    governed = dict(full, governor={"name": "roofline", "prediction_error": 0.171, "prediction_total_error": 0.044})
+    assert any(line.startswith("governor") and line.rstrip().endswith("roofline (17.1% median, 4.4% total)")
+               for line in format_summary(governed).splitlines())
