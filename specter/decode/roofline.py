@@ -1,6 +1,7 @@
 """The ``roofline`` governor: picks k each round from an amortization roofline calibrated online.
 Its verification cost model is ``specter.decode.roofline_cost``; its estimators (distinct
-experts, the non-negative fit, isotonic regression, the moving average) ``roofline_fit``.
+experts, the non-negative fit, isotonic regression, the moving average) ``roofline_fit``; its
+exploration (the calibration rounds, a probe's k) ``roofline_probe``.
 
 Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
 - Tokens per round with k drafts: ``1 + E[accepted(k)]``, ``E[accepted(k)] = sum_{i<=k} prod_{j<=i}
@@ -85,28 +86,17 @@ from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import MAX_K, Governor
 from specter.decode.roofline_cost import STALE_HALF_LIFE, PlainRound, PromptWaits, VerifyCost
 from specter.decode.roofline_fit import Ema, distinct_experts
+from specter.decode.roofline_probe import calibration_rounds, probe_k
 from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch, prediction_by_k
 
 log = logging.getLogger("specter.governor")
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
-FAR_PROBE_RANGE = 0.8  # far probes only try a k predicted within this fraction of the best rate
-OFF_PROBE_RANGE = 0.6  # ... while speculation is off (a draft that got good again must be tried)
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
 HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
 SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
 FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured
 TRANSITION_WEIGHT = 0.25  # how much the verify cost counts a round right after one at another k
 DEFAULT_K_MAX = 8  # k_max unless given, where rounds fit the cache (where every round streams: MAX_K)
-
-
-def calibration_rounds(k0: int, k_max: int, widest: bool = False) -> list[int]:
-    """The k of the first rounds (and of those after ``link_changed()``): k0, then a plain round
-    twice (the first, right after a drafted round, finds the draft's prefetches in the cache; with
-    no plain round measured yet it is measured too, a warm and a cold sample), then 1 twice and 2
-    twice (the first round at a new k is a transition, which the verify cost counts at
-    ``TRANSITION_WEIGHT``), and with ``widest`` k_max twice."""
-    drafted = [c for c in dict.fromkeys((1, min(2, k_max), *((k_max,) if widest else ()))) if c != k0]
-    return [k0, *([0, 0] if k0 else [0]), *(c for c in drafted for _ in range(2))]
 
 
 class RooflineGovernor(Governor):
@@ -250,24 +240,11 @@ class RooflineGovernor(Governor):
         return k
 
     def _probe_k(self, k: int) -> int:
-        """The k to try instead of ``k``: its neighbours above and below (k = 2 when speculation
-        is off: two draft positions observed per probe), and every third probe the k whose width
-        was measured least recently (never measured first, the nearest to ``k`` among equals)
-        among those predicted within ``FAR_PROBE_RANGE`` of the best rate, so that widths far from
-        the current choice are measured now and then rather than extrapolated."""
+        """The k to try instead of ``k`` (``roofline_probe.probe_k``: a neighbour, or every third
+        probe the width measured least recently among those predicted near the best rate)."""
         turn = self._probes % 3
-        if turn == 0:
-            rates = [row["predicted_tokens_per_s"] for row in self.table()]
-            best = max((r for r in rates if r is not None), default=None)
-            others = [c for c in range(self.frontier() + 1) if c != k
-                      and (best is None or rates[c] is None or rates[c] >= (FAR_PROBE_RANGE if k else OFF_PROBE_RANGE) * best)]
-            # the plain round's own average cannot follow the fit through the drafted widths: refreshed first once stale
-            plain_stale = self.rounds - self.verify_round.get(1, -math.inf) > STALE_HALF_LIFE
-            return min(others, key=lambda c: (not (c == 0 and plain_stale), self.verify_round.get(c + 1, -math.inf),
-                                              abs(c - k))) if others else k
-        if k == 0:
-            return min(2, self.k_max)
-        return max(0, min(self.frontier(), k + (1 if turn == 1 else -1)))
+        rates = [row["predicted_tokens_per_s"] for row in self.table()] if turn == 0 else []
+        return probe_k(k, turn, rates, self.frontier(), self.k_max, self.verify_round, self.rounds)
 
     def _announce(self, k: int) -> None:
         speculating = k > 0

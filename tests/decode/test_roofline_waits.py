@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from specter.decode.roofline import RooflineGovernor, calibration_rounds
+from specter.decode.roofline import RooflineGovernor
+from specter.decode.roofline_probe import calibration_rounds
 
 from roofline_machines import ExpertStreamMachine, SharedStreamMachine, WaitingMachine, drive, drive_prompts, fixed_rate
 
