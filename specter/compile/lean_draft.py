@@ -174,6 +174,26 @@ class LeanDraftStep:
         return native_rows.draft_attend_route(q, keys, values, length, h, w.o, w.post_norm, w.router, arch.eps,
                                               arch.scaling, arch.top_k, arch.renormalize, more=more)
 
+    def _op_attention(self, layer: int, w, h: Tensor, cos: Tensor, signed_sin: Tensor, kv, position: int,
+                      static: bool, ahead: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A layer's attention half op by op (models ``native_layers`` does not serve; ``ahead`` is
+        then always None): what ``_native_attention`` returns, the K/V appended to ``kv``."""
+        arch = self.arch
+        q, k, v = self._queries_keys_values(w, h, cos, signed_sin)
+        if static:  # the compiled decoder's buffers [1, nKV, max_len, d]: write in place
+            keys, values = _write_at(kv.keys[layer], kv.values[layer], position, k, v)
+            keys, values = keys.narrow(2, 0, position + 1), values.narrow(2, 0, position + 1)
+        else:
+            keys, values = kv.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # [1, nKV, L, d]
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys, values, scale=arch.scaling,
+            enable_gqa=arch.n_heads != arch.n_kv_heads,
+        )  # [1, nH, 1, d]: one query attends every cached position
+        h = h + self.project(attended.reshape(1, -1), w.o, w.o_bias)
+        x, (router_logits,) = self._norm_project(h, w.post_norm, [w.router], [None])
+        top_k_weights, top_k_index = select_experts(arch, router_logits)  # [1, k]
+        return h, x, top_k_weights, top_k_index
+
     def _beside_kv(self, layer: int, positions: int) -> tuple[Tensor, Tensor]:
         """The layer's K/V buffers [1, nKV, >= positions, d] for a round's own positions, grown
         (keeping what they hold) when a round drafts further than before."""
@@ -195,7 +215,6 @@ class LeanDraftStep:
         ``native_layers``): the token sits ``ahead`` positions past ``kv``'s end, the round's
         earlier steps' K/V are held beside ``kv`` and this step's joins them; ``kv`` is left as it
         was (appending copied the whole cache a layer a step)."""
-        arch = self.arch
         position = kv.get_seq_length()
         static = isinstance(kv, StaticKV)
         if static or not self.native_layers or position == 0:
@@ -205,32 +224,13 @@ class LeanDraftStep:
         cos, sin = self._rope(position)
         h = self.embed[token][None]  # [1, H]
         last = len(self.weights) - 1
+        attention = self._native_attention if self.native_layers else self._op_attention
         for layer, w in enumerate(self.weights):
-            if self.native_layers:
-                h, x, top_k_weights, top_k_index = self._native_attention(layer, w, h, cos, sin, kv, position,
-                                                                          static, ahead)  # [1, k]
-                if layer == last and not logits:  # its experts' output feeds nothing a routing-only step returns
-                    self.runtime.notify(layer, x, top_k_index, top_k_weights)
-                    continue
-                h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
-                continue
-            q, k, v = self._queries_keys_values(w, h, cos, sin)
-            if static:  # the compiled decoder's buffers [1, nKV, max_len, d]: write in place
-                keys, values = _write_at(kv.keys[layer], kv.values[layer], position, k, v)
-                keys, values = keys.narrow(2, 0, position + 1), values.narrow(2, 0, position + 1)
-            else:
-                keys, values = kv.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)  # [1, nKV, L, d]
-            attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys, values, scale=arch.scaling,
-                enable_gqa=arch.n_heads != arch.n_kv_heads,
-            )  # [1, nH, 1, d]: one query attends every cached position
-            h = h + self.project(attended.reshape(1, -1), w.o, w.o_bias)
-            x, (router_logits,) = self._norm_project(h, w.post_norm, [w.router], [None])
-            top_k_weights, top_k_index = select_experts(arch, router_logits)  # [1, k]
-            if layer == last and not logits:
+            h, x, top_k_weights, top_k_index = attention(layer, w, h, cos, sin, kv, position, static, ahead)  # [1, k]
+            if layer == last and not logits:  # its experts' output feeds nothing a routing-only step returns
                 self.runtime.notify(layer, x, top_k_index, top_k_weights)
-                continue
-            h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
+            else:
+                h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
         if static:
             kv.length = position + 1
         if not logits:
