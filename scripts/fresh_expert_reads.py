@@ -1,0 +1,99 @@
+"""What verification pays to read an expert that has just arrived, on a CPU device.
+
+Run: python scripts/fresh_expert_reads.py [--rows 3] [--gbps 2.0] [--repeats 12]   (one thread, ~30 s)
+
+Times Specter's native gated-MLP kernel (``native_rows.glu_expert_groups``, what a verification
+wave runs) on one float32 expert of the widened model's shape ([8192, 256] gate-up and [256, 4096]
+down, 12 MiB) with ``--rows`` rows, the expert read:
+- cold: not read for a while (one of 40 experts, 600 MiB read before each call),
+- again: the same expert once more, right after the cold call, on the same core,
+- own copy: just copied into a cache slot by this thread (``Tensor.copy_``),
+- link copy: just copied into a slot by another thread through the emulated link's paced copy
+  (``stream_copy.paced_copy`` at ``--gbps``), the caller waiting meanwhile (a slow link's wave),
+- link copy, followed: the same, the caller reading each 256 KiB piece as it lands,
+and the same bytes summed cold (``torch.sum``: the core's streaming read rate). Medians of
+``--repeats`` calls. Why: on a slow link each verification wave computes an expert moments after
+its copy landed, where a ``resident`` step re-reads experts that the large L3 partly keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+from specter import native
+from specter.memory import stream_copy
+
+EXPERTS, HIDDEN, INTER, PIECE_FLOATS = 40, 256, 4096, 65536
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=3)
+    parser.add_argument("--gbps", type=float, default=2.0)
+    parser.add_argument("--repeats", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if not native.available():
+        raise SystemExit("Specter's native kernels are not available on this machine")
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.01
+    down = torch.randn(EXPERTS, HIDDEN, INTER) * 0.01
+    slot_gate_up, slot_down = torch.empty(2, 2 * INTER, HIDDEN), torch.empty(2, HIDDEN, INTER)
+    x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows, 1)
+    sweep = torch.empty(600 * 2**20 // 4)
+    expert_bytes = (gate_up[0].nbytes + down[0].nbytes)
+    wire_s = expert_bytes / (args.gbps * 1e9)
+
+    def kernel(stack_gate_up: torch.Tensor, stack_down: torch.Tensor, index: int) -> float:
+        started = time.perf_counter()
+        torch.ops.specter_native.glu_expert_groups(out, x, stack_gate_up, stack_down, weights, [index], [0],
+                                                   [args.rows])
+        return time.perf_counter() - started
+
+    def link_copy(expert: int, slot: int, follow: bool) -> float:
+        dsts, srcs = [slot_gate_up[slot], slot_down[slot]], [gate_up[expert], down[expert]]
+        started = time.perf_counter()
+        copier = threading.Thread(target=stream_copy.paced_copy, args=(dsts, srcs, wire_s))
+        copier.start()
+        if follow:
+            pieces = [p for d in dsts for p in d.view(-1).split(PIECE_FLOATS)]
+            for i, piece in enumerate(pieces):
+                while time.perf_counter() < started + wire_s * (i + 1) / len(pieces):
+                    time.sleep(1e-4)
+                piece.sum()
+        copier.join()
+        return kernel(slot_gate_up, slot_down, slot)
+
+    times: dict[str, list[float]] = {name: [] for name in
+                                     ("cold", "again", "own copy", "link copy", "link copy, followed", "sum, cold")}
+    for repeat in range(args.repeats):
+        expert, slot = repeat % EXPERTS, repeat % 2
+        sweep.sum()
+        times["cold"].append(kernel(gate_up, down, expert))
+        times["again"].append(kernel(gate_up, down, expert))
+        sweep.sum()
+        slot_gate_up[slot].copy_(gate_up[(expert + 7) % EXPERTS])
+        slot_down[slot].copy_(down[(expert + 7) % EXPERTS])
+        times["own copy"].append(kernel(slot_gate_up, slot_down, slot))
+        for follow in (False, True) if repeat % 2 else (True, False):
+            sweep.sum()
+            name = "link copy, followed" if follow else "link copy"
+            times[name].append(link_copy((expert + 13 + 7 * follow) % EXPERTS, slot, follow))
+        sweep.sum()
+        started = time.perf_counter()
+        gate_up[(expert + 21) % EXPERTS].sum()
+        down[(expert + 21) % EXPERTS].sum()
+        times["sum, cold"].append(time.perf_counter() - started)
+    print(f"one {expert_bytes / 2**20:.0f} MiB float32 expert, {args.rows} rows, link {args.gbps:g} GB/s (emulated), "
+          f"medians of {args.repeats}")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(f"  {name:20s} {median * 1e3:6.3f} ms  ({expert_bytes / median / 1e9:5.1f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()
