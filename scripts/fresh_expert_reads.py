@@ -4,7 +4,8 @@ Run: python scripts/fresh_expert_reads.py [--rows 3] [--gbps 2.0] [--repeats 12]
 
 Times Specter's native gated-MLP kernel (``native_rows.glu_expert_groups``, what a verification
 wave runs) on one float32 expert of the widened model's shape ([8192, 256] gate-up and [256, 4096]
-down, 12 MiB) with ``--rows`` rows, the expert read:
+down, 12 MiB, on huge pages where Linux allows, as in the engines) with ``--rows`` rows, the expert
+read:
 - cold: not read for a while (one of 40 experts, 600 MiB read before each call),
 - again: the same expert once more, right after the cold call, on the same core,
 - own copy: just copied into a cache slot by this thread (``Tensor.copy_``),
@@ -26,7 +27,7 @@ import time
 import torch
 
 from specter import native
-from specter.memory import stream_copy
+from specter.memory import huge_pages, stream_copy
 
 EXPERTS, HIDDEN, INTER, PIECE_FLOATS = 40, 256, 4096, 65536
 
@@ -40,12 +41,14 @@ def main() -> None:
     torch.set_num_threads(1)
     if not native.available():
         raise SystemExit("Specter's native kernels are not available on this machine")
-    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.01
-    down = torch.randn(EXPERTS, HIDDEN, INTER) * 0.01
-    slot_gate_up, slot_down = torch.empty(2, 2 * INTER, HIDDEN), torch.empty(2, HIDDEN, INTER)
+    # on 2 MiB pages where Linux allows, as the engines' host store and cache slots are
+    gate_up = huge_pages.zeros((EXPERTS, 2 * INTER, HIDDEN), torch.float32).normal_(0, 0.01)
+    down = huge_pages.zeros((EXPERTS, HIDDEN, INTER), torch.float32).normal_(0, 0.01)
+    slot_gate_up = huge_pages.zeros((2, 2 * INTER, HIDDEN), torch.float32)
+    slot_down = huge_pages.zeros((2, HIDDEN, INTER), torch.float32)
     x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows, 1)
     sweep = torch.empty(600 * 2**20 // 4)
-    expert_bytes = (gate_up[0].nbytes + down[0].nbytes)
+    expert_bytes = gate_up[0].nbytes + down[0].nbytes
     wire_s = expert_bytes / (args.gbps * 1e9)
 
     def kernel(stack_gate_up: torch.Tensor, stack_down: torch.Tensor, index: int) -> float:
