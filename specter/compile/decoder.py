@@ -32,9 +32,11 @@ Contract:
     when resident), then a compiled final norm + LM head. Prefill (T > ``fused_max_tokens``, or
     any cache prefill) and cache misses take it; ``layered=True`` sends every target step there
     (for predictors that must act between layers, e.g. router lookahead) unless the fused graph
-    calls the host at each layer (CPU), where they act inside it. For cache target steps, and for
-    draft steps without a ``lean_step`` (the fused draft graph against compiled attention + the
-    eager grouped INT4 experts), a ``PathChooser`` measures both paths and takes the faster one;
+    calls the host at each layer (CPU), where they act inside it. Where that host computes the
+    experts a cache target step that fits runs fused (the same waves as layered, fewer graph
+    calls: design notes, stop 53). For the other cache target steps, and for draft steps without
+    a ``lean_step`` (the fused draft graph against compiled attention + the eager grouped INT4
+    experts), a ``PathChooser`` measures both paths and takes the faster one;
     draft steps between ``begin_draft_round()`` and ``end_draft_round(cost)`` keep one path the
     caller judges. Where ``lean_step`` is set (the eager lean draft step, on a CPU with the native
     kernels: ``attach.compile_engine``) it runs every draft step and no draft graph is compiled:
@@ -78,7 +80,6 @@ from specter.compile.parts import (
 
 DEFAULT_MAX_LEN = 2048
 DRAFT_KEY = 0  # the PathChooser's key for draft steps (target steps are keyed by their width >= 1)
-POOLED_KEY = -1  # ... and for every target width where the host computes the experts (time per token)
 HostExperts = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (row, x [T,H], index [T,k], weights [T,k])
 
 
@@ -288,7 +289,7 @@ class CompiledDecoder:
             return layered() if held == "layered" else fused()
         return self._run_chosen(DRAFT_KEY, fused, layered)
 
-    def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor], per: int = 1) -> Tensor:
+    def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor]) -> Tensor:
         """The chooser's path for ``key``, timed less its transfer waits where both paths wait
         alike: both compute a layer in waves as its copies arrive when the host computes the experts
         (the waves' hidden wait, ``ExpertRuntime.overlap_s``, counts as wait). Otherwise a path's
@@ -298,7 +299,7 @@ class CompiledDecoder:
         alike = self.layer_host is not None and self.layer_host.computes
         waited = (lambda: self.cache.stats.transfer_wait_s + hidden()) if alike else (lambda: 0.0)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
-        return self.chooser.run(key, fused, layered, waited, sync, per=per)
+        return self.chooser.run(key, fused, layered, waited, sync)
 
     def _run_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is None:
@@ -306,12 +307,10 @@ class CompiledDecoder:
         args = (tokens, positions, kv_index, kv)
         if self.layer_host is not None and not self.layer_host.fits(tokens.shape[0]):
             return self._run_layered(*args)  # a layer might need more experts than the cache holds
-        width = tokens.shape[0]
-        # a computing host does the same expert work on both paths, whatever the width: one choice
-        # for all widths, judged per token (per width, a roofline's many widths each paid trials)
-        pooled = self.layer_host is not None and self.layer_host.computes
-        return self._run_chosen(POOLED_KEY if pooled else width, lambda: self._run_fused_target(*args),
-                                lambda: self._run_layered(*args), per=width if pooled else 1)
+        if self.layer_host is not None and self.layer_host.computes:
+            return self._run_fused_target(*args)  # the same waves as layered, fewer graph calls
+        return self._run_chosen(tokens.shape[0], lambda: self._run_fused_target(*args),
+                                lambda: self._run_layered(*args))
 
     def _run_fused_target(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
         if self.cache is not None and not self.host_layers:

@@ -119,9 +119,8 @@ class PathChooser:
     until ``end_round(key, seconds_per_step)``, which judges it by a cost the caller measured over
     the round (the speculative engine's draft steps: their time plus the transfer wait they left
     to verification: a fused draft step under CUDA graphs hands its predictions over only at its end).
-    ``run(key, fused, layered, waited_s, per=1)`` chooses, runs and observes a step, its time less
-    the transfer wait it added to ``waited_s()``, divided by ``per`` (a key shared by steps of
-    different widths is judged per token)."""
+    ``run(key, fused, layered, waited_s)`` chooses, runs and observes a step, its time less the
+    transfer wait it added to ``waited_s()``."""
 
     TRIALS, RECHECK, WINDOW = 3, 16, 5
     MARGIN = 0.05  # the fused path replaces the layered one when at least this much faster
@@ -192,8 +191,7 @@ class PathChooser:
         self.seconds[key] = statistics.median(recent)
 
     def run(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor],
-            waited_s: Callable[[], float] = lambda: 0.0, synchronize: Callable[[], None] = lambda: None,
-            per: float = 1.0) -> Tensor:
+            waited_s: Callable[[], float] = lambda: 0.0, synchronize: Callable[[], None] = lambda: None) -> Tensor:
         """Run the path ``choose(key)`` picks and ``observe`` its time less the transfer wait the
         step added to ``waited_s()`` (a caller whose paths wait for the same copies says so: the wait
         then tells which experts were missing, not which path is faster; on a 2 GB/s link it
@@ -202,7 +200,7 @@ class PathChooser:
         waited, started = waited_s(), time.perf_counter()
         result = layered() if path == "layered" else fused()
         synchronize()
-        self.observe(key, path, (time.perf_counter() - started - max(0.0, waited_s() - waited)) / per)
+        self.observe(key, path, time.perf_counter() - started - max(0.0, waited_s() - waited))
         return result
 
     def as_dict(self) -> dict:

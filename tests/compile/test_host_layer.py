@@ -10,7 +10,6 @@ import torch
 
 import specter
 from specter.compile import host_layer
-from specter.compile.decoder import POOLED_KEY
 from specter.compile.parts import StepOutput
 from specter.testing.zoo import save_random_checkpoint
 
@@ -218,22 +217,28 @@ def test_the_chooser_discounts_transfer_waits_only_where_both_paths_wait_alike(c
 
 
 @pytest.mark.parametrize("computes", [False, True])
-def test_a_computing_host_makes_one_path_choice_for_every_width_judged_per_token(checkpoint, monkeypatch, computes):
+def test_a_computing_host_runs_every_verification_fused_and_others_let_the_chooser_pick(checkpoint, monkeypatch,
+                                                                                       computes):
     monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
-    engine = specter.load(specter_recipe(checkpoint, 0.5, k=3, tokens=10))
-    decoder, calls = engine.compiled, []
+    recipe = specter_recipe(checkpoint, 0.5, k=3, tokens=10)
+    expected = resident_tokens(recipe)
+    engine = specter.load(recipe)
+    decoder, keys = engine.compiled, []
     run = decoder.chooser.run
 
-    def recording_run(key, fused, layered, waited_s, sync, per=1.0):
-        calls.append((key, per))
-        return run(key, fused, layered, waited_s, sync, per=per)
+    def recording_run(key, fused, layered, waited_s, sync):
+        keys.append(key)
+        return run(key, fused, layered, waited_s, sync)
     monkeypatch.setattr(decoder.chooser, "run", recording_run)
-    engine.generate(PROMPTS)
+    before = decoder.snapshot()
+    report = engine.generate(PROMPTS).report
     engine.close()
-    if computes:  # verifications of k + 1 = 4 tokens, judged per token under the shared key
-        assert {key for key, _ in calls} == {POOLED_KEY} and 4 in {per for _, per in calls}
-    else:
-        assert all(per == 1 for _, per in calls) and 4 in {key for key, _ in calls}
+    assert [o["token_ids"] for o in report["outputs"]] == expected
+    if computes:  # the same waves on both paths: no trials, every verification fused
+        assert keys == [] and decoder.stats.fused_steps - before.fused_steps > 0
+        assert decoder.stats.layered_steps - before.layered_steps == len(PROMPTS)  # the prefills only
+    else:  # verifications of k + 1 = 4 tokens, chosen per width
+        assert 4 in keys and all(key >= 1 for key in keys)
 
 
 def test_a_fused_step_frees_the_previous_layers_slots_before_the_observers_hear_of_the_next():

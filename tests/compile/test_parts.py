@@ -135,11 +135,3 @@ def test_a_recheck_that_finds_the_other_path_faster_switches_and_rechecks_as_oft
     # the median of the fused path's last WINDOW steps moves once enough fast ones come in; from
     # then on fused holds, with rechecks of the layered path again after RECHECK steps
     assert chosen[-5:] == ["fused"] * 5
-
-
-def test_run_judges_a_step_per_token_when_told_its_width():
-    chooser = PathChooser()
-    path = chooser.choose(-1)  # what run will take next: the layered path, nothing measured yet
-    chooser.steps[-1] = 0
-    chooser.run(-1, lambda: time.sleep(0.02), lambda: time.sleep(0.02), per=4)
-    assert 0.005 <= chooser.seconds[(-1, path)] < 0.0075
