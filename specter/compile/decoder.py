@@ -290,11 +290,13 @@ class CompiledDecoder:
         return self._run_chosen(DRAFT_KEY, fused, layered)
 
     def _run_chosen(self, key: int, fused: Callable[[], Tensor], layered: Callable[[], Tensor]) -> Tensor:
-        """The chooser's path for ``key``, timed less its transfer waits where both paths wait
-        alike: both compute a layer in waves as its copies arrive when the host computes the experts
-        (the waves' hidden wait, ``ExpertRuntime.overlap_s``, counts as wait). Otherwise a path's
-        wait is its own: a fused step frees a layer's slots only at the next layer, so a streaming
-        round's later experts copy later (design notes, stop 47); under CUDA graphs it drains first."""
+        """The chooser's path for ``key``. A target step comes here only where the host does not
+        compute the experts, and a path's wait is then its own: a fused step frees a layer's slots
+        only at the next layer, so a streaming round's later experts copy later (design notes, stop
+        47); under CUDA graphs it drains first. Where the host computes them (both paths in waves)
+        the waits, the waves' hidden one (``ExpertRuntime.overlap_s``) included, are left out of a
+        step's time; only draft steps without a lean step still come here then, and they wait for
+        no copies."""
         hidden = (lambda: self.runtime.overlap_s) if self.runtime is not None else (lambda: 0.0)
         alike = self.layer_host is not None and self.layer_host.computes
         waited = (lambda: self.cache.stats.transfer_wait_s + hidden()) if alike else (lambda: 0.0)

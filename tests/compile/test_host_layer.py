@@ -119,8 +119,7 @@ def test_a_host_that_computes_a_layer_computes_its_first_experts_while_its_other
     expected = resident_tokens(recipe)
     engine = specter.load(recipe)
     decoder, runtime = engine.compiled, engine.runtime
-    assert decoder.layer_host.computes
-    monkeypatch.setattr(decoder, "_run_chosen", lambda key, fused, layered, per=1: fused())  # every decode step fused
+    assert decoder.layer_host.computes  # so every decode step runs fused
     fused_target, overlap_in_fused = decoder._run_fused_target, []
 
     def run_fused_target(*args):
@@ -170,7 +169,6 @@ def test_a_computing_host_verifies_rounds_wider_than_the_cache_in_the_fused_step
         return from_slots(layer, module, hidden, top_k_index, top_k_weights)
     monkeypatch.setattr(decoder, "_run_fused_target", run_fused_target)
     monkeypatch.setattr(runtime, "_forward_from_slots", forward_from_slots)
-    monkeypatch.setattr(decoder, "_run_chosen", lambda key, fused, layered, per=1: fused() if max(key, per) > 1 else layered())
     report = engine.generate(PROMPTS).report
     capacity = engine.cache.capacity
     engine.close()
@@ -207,7 +205,7 @@ def test_the_chooser_discounts_transfer_waits_only_where_both_paths_wait_alike(c
               "offload": {"link": {"kind": "local"}, "expert_budget": 0.5}}
     engine = specter.load(recipe)
     decoder, passed = engine.compiled, {}
-    monkeypatch.setattr(decoder.chooser, "run", lambda key, fused, layered, waited_s, sync, per=1: passed.update(w=waited_s))
+    monkeypatch.setattr(decoder.chooser, "run", lambda key, fused, layered, waited_s, sync: passed.update(w=waited_s))
     decoder._run_chosen(5, lambda: None, lambda: None)
     before = passed["w"]()
     engine.cache.stats.transfer_wait_s += 0.5
