@@ -11,8 +11,8 @@ sliding window, every decoder layer served by ``runtime``; otherwise None, and
 every layer, appends its K/V to ``kv`` at the positions the model's own forward would (a
 transformers cache, or the compiled decoder's ``StaticKV``, written in place, its length
 advanced), computes the routed experts through ``runtime.forward`` (in draft mode: the INT4
-experts; the observers see each layer's (layer, expert input, top_k_index, top_k_weights, mode)
-as from the model's forward) and returns fp32 logits [V] (``logits=False``: None, without the LM
+experts) or inside the layer's one native call (``fused_layers``, below), the observers seeing each
+layer's (layer, expert input, top_k_index, top_k_weights, mode) as from the model's forward, and returns fp32 logits [V] (``logits=False``: None, without the LM
 head or the last layer's experts, whose routing the observers still see, for the routing-only
 step). ``step(token, kv, ahead=i)`` (the engines' rounds: i = 0, 1, ...)
 leaves a transformers cache as it was and holds the round's K/V beside it, where the native
@@ -33,7 +33,14 @@ query attending the cache, o, the residual, the post-attention norm, the router 
 some 25 PyTorch ops: widened model, one thread, an eager engine toggled per run in one process,
 eight runs each (``/tmp`` script, 2026-12-05), 50% on ``local``, k = 8: draft step 2.79 against
 3.11 ms, 116.8 against 112.5 tok/s; 25% on ``local``, k = 4: 2.76 against 3.12 ms, 100.2 against
-96.4 tok/s; every run faster. Otherwise each norm goes with the projections that read its
+96.4 tok/s; every run faster. Where the step's K/V go to the compiled decoder's static cache or
+beside a transformers cache (``ahead``) and the layer's INT4 draft experts are the native kernel's
+one-token form (``fused_token``), the whole layer is one native call (``native_rows.draft_layer``:
+those two calls, the K/V write, the experts and the residual; the same bits; the observers hear the
+layer right after it; ``fused_layers``): widened model, 50% on ``local``, k = 4, one thread, the
+same engines toggled per run in one process, four runs each way (``/tmp`` script, 2026-12-05):
+compiled draft step 2.42 against 2.67 ms, 103.3 against 101.7 tok/s (0.964x against 0.949x
+compiled ``resident``); eager 2.48 against 2.66 ms, 98.1 against 97.3 tok/s. Otherwise each norm goes with the projections that read its
 output into one native call (``native_rows.normed_rows``: the input norm with q, k and v, the
 post-attention norm with the router, the final norm with the LM head; the target's own weights,
 [out, in]), o through the native row kernel (``native_rows.grouped_rows``), and q and k rotate
@@ -92,6 +99,7 @@ class LeanDraftStep:
             w.q_bias is None and w.k_bias is None and w.v_bias is None and w.o_bias is None
             and native_rows.layer_serves(self.embed, self.arch.head_dim, w.input_norm, w.q, w.k, w.v, w.o, w.router)
             for w in self.weights)
+        self.fused_layers = self.native_layers  # a layer's attention half and INT4 experts in one native call
         self._one_row = torch.ones(1, dtype=torch.long)  # the row groups' ends: one group of one row
         self._beside: list[tuple[Tensor, Tensor] | None] = [None] * len(self.weights)  # see ``step(ahead=)``
 
@@ -174,6 +182,32 @@ class LeanDraftStep:
         return native_rows.draft_attend_route(q, keys, values, length, h, w.o, w.post_norm, w.router, arch.eps,
                                               arch.scaling, arch.top_k, arch.renormalize, more=more)
 
+    def _fused_int4(self, layer: int):
+        """The runtime's INT4 draft experts of ``layer`` where ``native_rows.draft_layer`` can
+        compute them (one token's SiLU-gated sum in one native call), else None."""
+        experts = self.runtime.draft.get(layer) if self.runtime.mode == "draft" else None
+        return experts if getattr(experts, "fused_token", False) else None
+
+    def _native_layer(self, layer: int, w, int4, h: Tensor, cos: Tensor, signed_sin: Tensor, kv, position: int,
+                      static: bool, ahead: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A whole layer through ``native_rows.draft_layer`` (K/V written as ``_native_attention``
+        writes them, the INT4 experts added to the residual): (h after the layer [1, H], expert
+        input [1, H], top_k_weights [1, k], top_k_index [1, k])."""
+        arch = self.arch
+        if static:
+            write = (kv.keys[layer], kv.values[layer], position)
+            cache, more = (kv.keys[layer], kv.values[layer], position + 1), None
+        else:
+            beside_keys, beside_values = self._beside_kv(layer, ahead + 1)
+            write = (beside_keys, beside_values, ahead)
+            cached = kv.layers[layer]
+            cache, more = (cached.keys, cached.values, position - ahead), (beside_keys, beside_values, ahead + 1)
+        up, down = int4.up[0], int4.down[0]
+        return native_rows.draft_layer(
+            h, w.input_norm, w.q, w.k, w.v, w.q_norm, w.k_norm, cos.view(-1), signed_sin.view(-1), arch.head_dim,
+            arch.eps, write, cache, more, w.o, w.post_norm, w.router, arch.scaling, arch.top_k, arch.renormalize,
+            (int4.up_packed, int4.up_scales, up.group_size), (int4.down_packed, int4.down_scales, down.group_size))
+
     def _op_attention(self, layer: int, w, h: Tensor, cos: Tensor, signed_sin: Tensor, kv, position: int,
                       static: bool, ahead: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """A layer's attention half op by op (models ``native_layers`` does not serve; ``ahead`` is
@@ -225,7 +259,14 @@ class LeanDraftStep:
         h = self.embed[token][None]  # [1, H]
         last = len(self.weights) - 1
         attention = self._native_attention if self.native_layers else self._op_attention
+        fused = self.fused_layers and (static or ahead is not None)
         for layer, w in enumerate(self.weights):
+            int4 = self._fused_int4(layer) if fused and (logits or layer < last) else None
+            if int4 is not None:  # the whole layer in one call; the observers hear it after
+                h, x, top_k_weights, top_k_index = self._native_layer(layer, w, int4, h, cos, sin, kv, position,
+                                                                      static, ahead)
+                self.runtime.notify(layer, x, top_k_index, top_k_weights)
+                continue
             h, x, top_k_weights, top_k_index = attention(layer, w, h, cos, sin, kv, position, static, ahead)  # [1, k]
             if layer == last and not logits:  # its experts' output feeds nothing a routing-only step returns
                 self.runtime.notify(layer, x, top_k_index, top_k_weights)

@@ -21,6 +21,11 @@ Contract:
   gate_up[g] @ x``, written into those rows of ``out`` (others untouched): a verification wave of any
   number of experts in one call, the bits of ``grouped_rows``, PyTorch's silu and mul called one
   by one.
+- ``draft_qkv`` / ``draft_attend_route`` (``layer_serves`` must hold): the lean draft step's
+  attention half of a layer for one token, in two calls around the K/V write (their contract:
+  ``csrc/draft_layer.cpp``); ``draft_layer``: the whole layer in one call, the K/V write, the
+  attention half and the routed experts' INT4 sum (``int4_native.glu_token``) added to the
+  residual, the same arithmetic as those calls. Eager only (no fake implementations).
 - ``wide_rows(enabled=None) -> bool``: whether groups of two rows or more run the kernel's AVX-512
   forms (on by default where the CPU has AVX-512F/DQ/VL; one row always runs the AVX2 form).
   They give every row the AVX2 form's bits, lane for lane, and read a weight row once for up to
@@ -107,3 +112,24 @@ def draft_attend_route(q: Tensor, keys: Tensor, values: Tensor, length: int, h: 
     return torch.ops.specter_native.draft_attend_route(q, keys, values, length, more_keys, more_values, more_length,
                                                        h.contiguous(), o, post_norm, router, eps, scale, top_k,
                                                        renormalize)
+
+
+def draft_layer(h: Tensor, input_norm: Tensor, q: Tensor, k: Tensor, v: Tensor, q_norm: Tensor | None,
+                k_norm: Tensor | None, cos: Tensor, signed_sin: Tensor, head_dim: int, eps: float,
+                write: tuple[Tensor, Tensor, int], cache: tuple[Tensor, Tensor, int],
+                more: tuple[Tensor, Tensor, int] | None, o: Tensor, post_norm: Tensor, router: Tensor, scale: float,
+                top_k: int, renormalize: bool, up: tuple[Tensor, Tensor, int],
+                down: tuple[Tensor, Tensor, int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A whole draft layer for one token in one call (``layer_serves`` must hold): ``draft_qkv``, k
+    and v written at ``write`` = (keys, values, position), ``draft_attend_route`` over ``cache`` =
+    (keys, values, length) and ``more``, then the routed experts' INT4 SiLU-gated sum (``up`` /
+    ``down``: packed, scales, group, as ``int4_native.glu_token``) added to the residual: (h after
+    the layer [1, H], the experts' input x [1, H], top_k_weights [1, k], top_k_index [1, k])."""
+    none = h.new_empty(0)
+    keys, values, length = cache
+    more_keys, more_values, more_length = more if more is not None else (keys, values, 0)
+    return torch.ops.specter_native.draft_layer(
+        h.contiguous(), input_norm, q, k, v, none if q_norm is None else q_norm, none if k_norm is None else k_norm,
+        cos, signed_sin, head_dim, write[0], write[1], write[2], keys, values, length, more_keys, more_values,
+        more_length, o, post_norm, router, eps, scale, top_k, renormalize, up[0], up[1], down[0], down[1], up[2],
+        down[2])

@@ -248,3 +248,52 @@ def test_a_compiled_engine_on_a_cpu_drafts_with_the_lean_step_and_compiles_no_dr
     assert result.token_ids == expected
     assert result.report["draft"]["step"] == "lean" and result.report["phases"]["draft_steps"] > 0
     assert graph_calls == [] and result.report["compile"]["late_graphs"] == 0
+
+
+@pytest.mark.parametrize("cache", ["static", "ahead"])
+def test_a_whole_layer_in_one_native_call_gives_the_three_calls_bits_and_tells_the_observers(cache, checkpoints,
+                                                                                          monkeypatch):
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    from specter.compile.parts import StaticKV
+
+    engine = build(checkpoints["mixtral"])
+    try:
+        step = engine.lean_draft
+        config = engine.model.config
+        layers = config.num_hidden_layers
+        fused_calls: list[int] = []
+        real = native_rows.draft_layer
+        monkeypatch.setattr(native_rows, "draft_layer", lambda *a, **kw: fused_calls.append(1) or real(*a, **kw))
+        seen = routing_log(engine)
+        runs = []
+        for fused in (False, True):
+            step.fused_layers = fused
+            fused_calls[:] = []
+            if cache == "static":
+                shape = (1, config.num_key_value_heads, 64, config.hidden_size // config.num_attention_heads)
+                kv = StaticKV([torch.zeros(shape) for _ in range(layers)], [torch.zeros(shape) for _ in range(layers)])
+            else:
+                kv = engine.new_kv_cache()
+            with torch.inference_mode(), engine.runtime.drafting():
+                for token in PROMPT[:3]:
+                    step.step(token, kv)  # a transformers cache: appended, never fused
+                start = len(seen)
+                tokens = [5, 77, 12]
+                logits = [step.step(token, kv, ahead=i if cache == "ahead" else None) for i, token in enumerate(tokens)]
+                assert step.step(200, kv, logits=False, ahead=3 if cache == "ahead" else None) is None
+            written = len(PROMPT[:3]) + 4 if cache == "static" else 4  # positions the steps wrote
+            held = [t[:, :, :written].clone() for t in (kv.keys + kv.values if cache == "static"
+                                                         else [b for pair in step._beside for b in pair])]
+            runs.append((torch.stack(logits), held, seen[start:], len(fused_calls)))
+        (old_logits, old_kv, old_seen, old_calls), (new_logits, new_kv, new_seen, new_calls) = runs
+        # on a static cache every step is fused (the prompt's too); the routing-only step's last layer computes no experts
+        assert old_calls == 0 and new_calls == (6 if cache == "static" else 3) * layers + (layers - 1)
+        assert torch.equal(new_logits, old_logits)
+        assert all(torch.equal(a, b) for a, b in zip(new_kv, old_kv))
+        assert len(new_seen) == len(old_seen) == 4 * layers
+        for a, b in zip(new_seen, old_seen):
+            assert a[:2] == b[:2] and a[1] == "draft"
+            assert all(torch.equal(x, y) for x, y in zip(a[2:], b[2:]))
+    finally:
+        engine.close()

@@ -15,6 +15,16 @@
 //     cache's first L positions, then the first M of `more` (M = 0: none; the draft's own
 //     positions of a round, kept beside the model's cache), any strides but the last; head n
 //     reads kv head n / (nH / nKV); softmax in float32 with the maximum subtracted.
+//   draft_layer(h, input_norm, wq, wk, wv, q_norm, k_norm, cos, signed_sin, head_dim, write_keys,
+//             write_values, write_index, keys, values, length, more_keys, more_values, more_length, wo,
+//             post_norm, router, eps, scale, top_k, renormalize, up_packed, up_scales, down_packed,
+//             down_scales, up_group, down_group)
+//     -> (h after the layer [1, H], x, top_k_weights, top_k_index as draft_attend_route's): a whole
+//     draft layer in one call: draft_qkv; k and v written at position write_index of write_keys /
+//     write_values ([1, nKV, >write_index, d], the last dimension dense: the cache itself, or the
+//     round's positions held beside it, which keys / values or more_keys / more_values then
+//     include); draft_attend_route; the routed experts' INT4 SiLU-gated sum (int4_glu_token, in
+//     int4_gemv.cpp) added to the residual. The same arithmetic as the three calls it joins.
 // Everything float32, contiguous but the cache; H, nH*d multiples of 16, d a multiple of 8. The
 // weights are read once each through the row kernels' dot products (rows_math.h); the rest is a
 // few microseconds of arithmetic that were 20-odd PyTorch ops a layer.
@@ -210,7 +220,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_attend_route(
   return {h_out, x, weights, index};
 }
 
+at::Tensor int4_glu_token(const at::Tensor& x, const at::Tensor& up_packed, const at::Tensor& up_scales,
+                          const at::Tensor& down_packed, const at::Tensor& down_scales, const at::Tensor& ids,
+                          const at::Tensor& weights, int64_t up_group, int64_t down_group);  // int4_gemv.cpp
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_layer(
+    const at::Tensor& h, const at::Tensor& input_norm, const at::Tensor& wq, const at::Tensor& wk,
+    const at::Tensor& wv, const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& cos,
+    const at::Tensor& signed_sin, int64_t head_dim, const at::Tensor& write_keys, const at::Tensor& write_values,
+    int64_t write_index, const at::Tensor& keys, const at::Tensor& values, int64_t length,
+    const at::Tensor& more_keys, const at::Tensor& more_values, int64_t more_length, const at::Tensor& wo,
+    const at::Tensor& post_norm, const at::Tensor& router, double eps, double scale, int64_t top_k, bool renormalize,
+    const at::Tensor& up_packed, const at::Tensor& up_scales, const at::Tensor& down_packed,
+    const at::Tensor& down_scales, int64_t up_group, int64_t down_group) {
+  auto [q, k, v] = draft_qkv(h, input_norm, wq, wk, wv, q_norm, k_norm, cos, signed_sin, head_dim, eps);
+  const int64_t n_kv = k.size(0), d = k.size(1);
+  check_cache(write_keys, write_values, 0, d, "write_keys and write_values");
+  TORCH_CHECK(write_keys.size(1) == n_kv && write_index >= 0 && write_index < write_keys.size(2),
+              "draft_layer: write_keys must have nKV heads and more than write_index positions");
+  float* kw = write_keys.data_ptr<float>();
+  float* vw = write_values.data_ptr<float>();
+  for (int64_t n = 0; n < n_kv; ++n) {
+    const int64_t at = n * write_keys.stride(1) + write_index * write_keys.stride(2);
+    std::copy(k.data_ptr<float>() + n * d, k.data_ptr<float>() + (n + 1) * d, kw + at);
+    std::copy(v.data_ptr<float>() + n * d, v.data_ptr<float>() + (n + 1) * d, vw + at);
+  }
+  auto [h_out, x, weights, index] = draft_attend_route(q, keys, values, length, more_keys, more_values, more_length,
+                                                       h, wo, post_norm, router, eps, scale, top_k, renormalize);
+  h_out.add_(int4_glu_token(x, up_packed, up_scales, down_packed, down_scales, index[0], weights[0], up_group,
+                            down_group));
+  return {h_out, x, weights, index};
+}
+
 TORCH_LIBRARY_FRAGMENT(specter_native, m) {
+  m.def("draft_layer(Tensor h, Tensor input_norm, Tensor wq, Tensor wk, Tensor wv, Tensor q_norm, Tensor k_norm, "
+        "Tensor cos, Tensor signed_sin, int head_dim, Tensor(a!) write_keys, Tensor(b!) write_values, "
+        "int write_index, Tensor keys, Tensor values, int length, Tensor more_keys, Tensor more_values, "
+        "int more_length, Tensor wo, Tensor post_norm, Tensor router, float eps, float scale, int top_k, "
+        "bool renormalize, Tensor up_packed, Tensor up_scales, Tensor down_packed, Tensor down_scales, int up_group, "
+        "int down_group) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("draft_qkv(Tensor h, Tensor input_norm, Tensor wq, Tensor wk, Tensor wv, Tensor q_norm, Tensor k_norm, "
         "Tensor cos, Tensor signed_sin, int head_dim, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("draft_attend_route(Tensor q, Tensor keys, Tensor values, int length, Tensor more_keys, Tensor more_values, "
@@ -221,4 +269,5 @@ TORCH_LIBRARY_FRAGMENT(specter_native, m) {
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
   m.impl("draft_qkv", &draft_qkv);
   m.impl("draft_attend_route", &draft_attend_route);
+  m.impl("draft_layer", &draft_layer);
 }
