@@ -6,9 +6,10 @@ Run: python scripts/round_parts.py [BENCH_RECIPE] [--budget 0.5] [--link local] 
      [--compiled] [--repeats 3]
      (default: recipes/bench-proxy.yaml, the widened model; one thread)
 Each generation runs the recipe's prompts; the table gives each part in ms a round (the median
-over ``--repeats`` generations) and its calls a round. Draft parts: the INT4 experts (the runtime's
-draft experts), the attention half (``native_rows.draft_qkv`` / ``draft_attend_route``, where the
-lean step takes them), the observers told of a draft layer (the draft predictor's hand-over, the
+over ``--repeats`` generations) and its calls a round. Draft parts: whole layers in one native call
+(``native_rows.draft_layer``: attention half and INT4 experts, where the lean step takes it), else
+the INT4 experts (the runtime's draft experts) and the attention half (``native_rows.draft_qkv`` /
+``draft_attend_route``), the observers told of a draft layer (the draft predictor's hand-over, the
 scheduler's prefetches); the rest of a draft step is its LM head, norms and Python. Verification
 parts: the experts from the cache (``ExpertRuntime._forward_from_slots``: acquire, one pass or
 waves, release), of them the kernels' share (one pass: ``_grouped_experts_forward``; waves:
@@ -36,7 +37,7 @@ from specter.decode.speculative import SpecterEngine
 from specter.experts import runtime as runtime_module
 from specter.kernels import grouped_experts, native_rows
 
-ORDER = ["round", "draft step", "draft: INT4 experts", "draft: attention half", "draft: observers",
+ORDER = ["round", "draft step", "draft: whole layers", "draft: INT4 experts", "draft: attention half", "draft: observers",
          "verify: experts from the cache", "verify:   kernels, one pass", "verify:   kernels, waves",
          "verify: observers"]
 _INHERITED = object()  # a patched name the owner did not define itself
@@ -74,6 +75,7 @@ def instrumented(engine) -> Iterator[Parts]:
     parts = Parts()
     runtime = engine.runtime
     targets = [(SpecterEngine, "decode_round", "round"), (lean_draft.LeanDraftStep, "step", "draft step"),
+               (native_rows, "draft_layer", "draft: whole layers"),
                (native_rows, "draft_qkv", "draft: attention half"),
                (native_rows, "draft_attend_route", "draft: attention half"),
                (type(runtime), "_forward_from_slots", "verify: experts from the cache"),
