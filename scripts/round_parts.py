@@ -15,7 +15,8 @@ parts: the experts from the cache (``ExpertRuntime._forward_from_slots``: acquir
 waves, release), of them the kernels' share (one pass: ``_grouped_experts_forward``; waves:
 ``PairsBySlot.compute``), and the observers told of a target layer; the rest of verification is
 attention, norms, the LM head, the graph or model around them and Python. A counter adds about
-0.5 us to a call (timeit on a hot loop; more between kernels that flush the caches). Timings vary between spells on this VM: compare parts within one run.
+0.5 us to a call (timeit on a hot loop; more between kernels that flush the caches). Timings vary
+between spells on this VM: compare parts within one run.
 """
 
 from __future__ import annotations
