@@ -167,20 +167,30 @@ class LeanDraftStep:
         arch = self.arch
         q, k, v = native_rows.draft_qkv(h, w.input_norm, w.q, w.k, w.v, w.q_norm, w.k_norm, cos.view(-1),
                                         signed_sin.view(-1), arch.head_dim, arch.eps)  # [nH, d], [nKV, d] x 2
-        more = None
-        if static:
-            keys, values = _write_at(kv.keys[layer], kv.values[layer], position, k, v)
-            length = position + 1
-        elif ahead is not None:
-            beside_keys, beside_values = _write_at(*self._beside_kv(layer, ahead + 1), ahead, k, v)
-            cached = kv.layers[layer]
-            keys, values, length = cached.keys, cached.values, position - ahead
-            more = (beside_keys, beside_values, ahead + 1)
+        if static or ahead is not None:
+            (write_keys, write_values, index), (keys, values, length), more = self._kv_places(
+                layer, kv, position, static, ahead)
+            _write_at(write_keys, write_values, index, k, v)
         else:
             keys, values = kv.update(k[None, :, None], v[None, :, None], layer)  # [1, nKV, L, d]
-            length = position + 1
+            length, more = position + 1, None
         return native_rows.draft_attend_route(q, keys, values, length, h, w.o, w.post_norm, w.router, arch.eps,
                                               arch.scaling, arch.top_k, arch.renormalize, more=more)
+
+    def _kv_places(self, layer: int, kv, position: int, static: bool,
+                   ahead: int | None) -> tuple[tuple[Tensor, Tensor, int], tuple[Tensor, Tensor, int],
+                                               tuple[Tensor, Tensor, int] | None]:
+        """Where a step's K/V go and what it attends, on the compiled decoder's static cache
+        (``static``) or beside a transformers cache (``ahead``): (write = (keys, values, position),
+        cache = (keys, values, length), more = (keys, values, length) or None); the written
+        position lies inside cache or more."""
+        if static:
+            keys, values = kv.keys[layer], kv.values[layer]
+            return (keys, values, position), (keys, values, position + 1), None
+        beside_keys, beside_values = self._beside_kv(layer, ahead + 1)
+        cached = kv.layers[layer]
+        return ((beside_keys, beside_values, ahead), (cached.keys, cached.values, position - ahead),
+                (beside_keys, beside_values, ahead + 1))
 
     def _fused_int4(self, layer: int):
         """The runtime's INT4 draft experts of ``layer`` where ``native_rows.draft_layer`` can
@@ -194,14 +204,7 @@ class LeanDraftStep:
         writes them, the INT4 experts added to the residual): (h after the layer [1, H], expert
         input [1, H], top_k_weights [1, k], top_k_index [1, k])."""
         arch = self.arch
-        if static:
-            write = (kv.keys[layer], kv.values[layer], position)
-            cache, more = (kv.keys[layer], kv.values[layer], position + 1), None
-        else:
-            beside_keys, beside_values = self._beside_kv(layer, ahead + 1)
-            write = (beside_keys, beside_values, ahead)
-            cached = kv.layers[layer]
-            cache, more = (cached.keys, cached.values, position - ahead), (beside_keys, beside_values, ahead + 1)
+        write, cache, more = self._kv_places(layer, kv, position, static, ahead)
         up, down = int4.up[0], int4.down[0]
         return native_rows.draft_layer(
             h, w.input_norm, w.q, w.k, w.v, w.q_norm, w.k_norm, cos.view(-1), signed_sin.view(-1), arch.head_dim,
