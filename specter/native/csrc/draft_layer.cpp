@@ -75,12 +75,13 @@ void norm_and_rotate(float* rows, int64_t heads, int64_t d, const at::Tensor& no
 
 // A cache's [1, nKV, >= length, d] keys and values: float32, the same shape and strides, the last
 // dimension dense.
-void check_cache(const at::Tensor& keys, const at::Tensor& values, int64_t length, int64_t d, const char* what) {
+void check_cache(const at::Tensor& keys, const at::Tensor& values, int64_t length, int64_t d, const char* what,
+                 const char* op = "draft_attend_route") {
   TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(3) == d && keys.stride(3) == 1 &&
                   keys.scalar_type() == at::kFloat && values.sizes() == keys.sizes() &&
                   values.strides() == keys.strides() && values.scalar_type() == at::kFloat,
-              "draft_attend_route: ", what, " must be float32 [1, nKV, L, d] alike, the last dimension dense");
-  TORCH_CHECK(length <= keys.size(2), "draft_attend_route: a length must be at most its cache's L");
+              op, ": ", what, " must be float32 [1, nKV, L, d] alike, the last dimension dense");
+  TORCH_CHECK(length <= keys.size(2), op, ": a length must be at most its cache's L");
 }
 
 // One kv head's positions in a cache: position l at base + l * stride.
@@ -235,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_layer(
     const at::Tensor& down_scales, int64_t up_group, int64_t down_group) {
   auto [q, k, v] = draft_qkv(h, input_norm, wq, wk, wv, q_norm, k_norm, cos, signed_sin, head_dim, eps);
   const int64_t n_kv = k.size(0), d = k.size(1);
-  check_cache(write_keys, write_values, 0, d, "write_keys and write_values");
+  check_cache(write_keys, write_values, 0, d, "write_keys and write_values", "draft_layer");
   TORCH_CHECK(write_keys.size(1) == n_kv && write_index >= 0 && write_index < write_keys.size(2),
               "draft_layer: write_keys must have nKV heads and more than write_index positions");
   float* kw = write_keys.data_ptr<float>();
