@@ -12,6 +12,8 @@ read:
 - link copy: just copied into a slot by another thread through the emulated link's paced copy
   (``stream_copy.paced_copy`` at ``--gbps``), the caller waiting meanwhile (a slow link's wave),
 - link copy, followed: the same, the caller reading each 256 KiB piece as it lands,
+- link copy, next copying: as link copy, but the kernel runs while the link copies the next
+  expert into the other slot (what a slow link's wave meets: the copies never stop),
 and the same bytes summed cold (``torch.sum``: the core's streaming read rate). Medians of
 ``--repeats`` calls. Why: on a slow link each verification wave computes an expert moments after
 its copy landed, where a ``resident`` step re-reads experts that the large L3 partly keeps.
@@ -57,11 +59,16 @@ def main() -> None:
                                                    [args.rows])
         return time.perf_counter() - started
 
-    def link_copy(expert: int, slot: int, follow: bool) -> float:
+    def start_copy(expert: int, slot: int) -> threading.Thread:
         dsts, srcs = [slot_gate_up[slot], slot_down[slot]], [gate_up[expert], down[expert]]
-        started = time.perf_counter()
         copier = threading.Thread(target=stream_copy.paced_copy, args=(dsts, srcs, wire_s))
         copier.start()
+        return copier
+
+    def link_copy(expert: int, slot: int, follow: bool, next_copying: bool = False) -> float:
+        dsts = [slot_gate_up[slot], slot_down[slot]]
+        started = time.perf_counter()
+        copier = start_copy(expert, slot)
         if follow:
             pieces = [p for d in dsts for p in d.view(-1).split(PIECE_FLOATS)]
             for i, piece in enumerate(pieces):
@@ -69,10 +76,16 @@ def main() -> None:
                     time.sleep(1e-4)
                 piece.sum()
         copier.join()
-        return kernel(slot_gate_up, slot_down, slot)
+        if not next_copying:
+            return kernel(slot_gate_up, slot_down, slot)
+        following = start_copy((expert + 1) % EXPERTS, 1 - slot)
+        seconds = kernel(slot_gate_up, slot_down, slot)
+        following.join()
+        return seconds
 
     times: dict[str, list[float]] = {name: [] for name in
-                                     ("cold", "again", "own copy", "link copy", "link copy, followed", "sum, cold")}
+                                     ("cold", "again", "own copy", "link copy", "link copy, followed",
+                                                  "link copy, next copying", "sum, cold")}
     for repeat in range(args.repeats):
         expert, slot = repeat % EXPERTS, repeat % 2
         sweep.sum()
@@ -87,6 +100,8 @@ def main() -> None:
             name = "link copy, followed" if follow else "link copy"
             times[name].append(link_copy((expert + 13 + 7 * follow) % EXPERTS, slot, follow))
         sweep.sum()
+        times["link copy, next copying"].append(link_copy((expert + 17) % EXPERTS, slot, False, next_copying=True))
+        sweep.sum()
         started = time.perf_counter()
         gate_up[(expert + 21) % EXPERTS].sum()
         down[(expert + 21) % EXPERTS].sum()
@@ -95,7 +110,7 @@ def main() -> None:
           f"medians of {args.repeats}")
     for name, samples in times.items():
         median = statistics.median(samples)
-        print(f"  {name:20s} {median * 1e3:6.3f} ms  ({expert_bytes / median / 1e9:5.1f} GB/s)")
+        print(f"  {name:24s} {median * 1e3:6.3f} ms  ({expert_bytes / median / 1e9:5.1f} GB/s)")
 
 
 if __name__ == "__main__":
