@@ -29,7 +29,15 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   2 GB/s link at 50% a k = 2 round right after k = 1 ones took 97-113 ms, the next one 45-100);
   rounds since conditions last changed count alone once they span three widths (until then
   they scale the fit through the rounds before); the curve is non-decreasing in T. A plain
-  round (T = 1) keeps its own average (``PlainRound``). The first round is not measured. With
+  round (T = 1) keeps its own average (``PlainRound``), but is priced no cheaper than its own
+  average less its transfer waits plus the waits a drafted round has at this place
+  (``PromptWaits.per_distinct``; every place pooled where every round streams) per distinct expert
+  read, times a plain round's distinct experts: a plain round prefetches nothing ahead, so it waits
+  at least that. Why: the main job's plain rounds, measured where the cache already held the
+  decode's experts (4-5 ms), priced the rounds after a prefill, whose drafted widths waited
+  60-130 ms while the decode's experts streamed in, at 135-225 tok/s: the governor switched
+  speculation off there (its plain rounds then took 11-24 ms) and once stayed off for 22 rounds.
+  The first round is not measured. With
   no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at
   all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being ``t_draft /
   draft_ratio``.
@@ -119,6 +127,7 @@ class RooflineGovernor(Governor):
         self.host = Ema(ema)
         self.watch = RoundWatch(ema)  # a round's time against its prediction: noise, surprise, change
         self.plain = PlainRound(ema)  # flush + verify seconds of a plain round (T = 1)
+        self.plain_compute = PlainRound(ema)  # ... less its transfer waits
         self.verify_round: dict[int, int] = {}  # the round each width was last measured
         self._steady_round: dict[int, int] = {}  # ... in a round at the same k as the round before
         self.cost = VerifyCost(n_experts, top_k, k_max, cache_slots_per_layer)  # drafted widths' verify seconds
@@ -151,7 +160,7 @@ class RooflineGovernor(Governor):
         distinct experts, and with no measurement at all from the draft step (``draft_ratio``)."""
         u = self._distinct(width) / self._distinct(1)
         if width == 1 and self.plain.value is not None:
-            return self.plain.value
+            return max(self.plain.value, self._plain_floor())
         curve = self.cost.curve(self.rounds, self._changed_at)
         if curve is not None:
             now = (self.rounds, self._changed_at)
@@ -161,6 +170,14 @@ class RooflineGovernor(Governor):
         if self.plain.value is not None:
             return self.plain.value * u
         return None if self.draft_step.value is None else self.draft_step.value / self.draft_ratio * u
+
+    def _plain_floor(self) -> float:
+        """The least a plain round can cost here (see the module's contract); 0 unmeasured."""
+        if self.plain_compute.value is None:
+            return 0.0
+        place = None if self.always_streams() else self.prompt_round
+        wait = self.wait.per_distinct(self.rounds, self._changed_at, place, self._distinct)
+        return self.plain_compute.value + (wait or 0.0) * self._distinct(1)
 
     def round_s(self, k: int) -> float | None:
         verify = self.verify_s(k + 1)
@@ -327,6 +344,8 @@ class RooflineGovernor(Governor):
                 self.cost.add(width, sample - wait, now, TRANSITION_WEIGHT if transition else 1.0)
             else:
                 self.plain.add(sample, now)
+                if "verify_io_wait_s" in timings:
+                    self.plain_compute.add(max(0.0, sample - timings["verify_io_wait_s"]), now)
             self.verify_round[width] = now
             if not transition:
                 self._steady_round[width] = now
@@ -338,6 +357,7 @@ class RooflineGovernor(Governor):
         replaces most of its average."""
         self._changed_at = at
         self.plain.restart()
+        self.plain_compute.restart()
         for width in self.verify_round:
             if width not in widths:
                 self.verify_round[width] = min(self.verify_round[width], at - 4 * STALE_HALF_LIFE)
@@ -354,6 +374,7 @@ class RooflineGovernor(Governor):
         self.watch.drop_held()
         self._interval, self._next_probe = self.probe_every, self.rounds + self.probe_every
         self.plain.restart()
+        self.plain_compute.restart()
         if self.wait.samples:
             self.wait = PromptWaits()
             self._calibration = [0, 0, *([self.k_max] if self.always_streams() else [])]

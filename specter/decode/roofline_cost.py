@@ -223,6 +223,19 @@ class PromptWaits:
                  distinct: Callable[[int], float] | None = None) -> float | None:
         return self.all.by_width(width, now, changed_at, distinct=distinct)
 
+    def per_distinct(self, now: int, changed_at: int, place: int | None,
+                     distinct: Callable[[int], float]) -> float | None:
+        """Seconds of transfer wait per distinct expert a round reads (``distinct(width)``) at
+        ``place`` (None: every place), from the pool ``value`` answers from: the rounds since
+        ``changed_at`` (all of them while fewer than ``OWN_WAIT_ROUNDS``), each weighted by its
+        age; None with none."""
+        own = self.all if place is None else self.by_place[min(place, PROMPT_POOLS - 1)]
+        samples = (own if len(own.samples) >= OWN_PLACE_ROUNDS else self.all).samples
+        since = [sample for sample in samples if sample[2] >= changed_at]
+        samples = since if len(since) >= OWN_WAIT_ROUNDS else samples
+        experts = sum(_age_weight(now, r) * distinct(t) for t, _, r in samples)
+        return sum(_age_weight(now, r) * v for _, v, r in samples) / experts if experts else None
+
 
 class VerifyCost:
     def __init__(self, n_experts: int, top_k: int, k_max: int, cache_slots_per_layer: float | None) -> None:

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from specter.decode.roofline import RooflineGovernor
+from specter.decode.roofline_cost import PROMPT_POOLS
 from specter.decode.roofline_probe import calibration_rounds
 
 from roofline_machines import ExpertStreamMachine, SharedStreamMachine, WaitingMachine, drive, drive_prompts, fixed_rate
@@ -162,6 +163,35 @@ def test_the_rounds_right_after_a_prefill_have_their_own_waits():
     assert pooled > 1.3 * verify_s(5, 5)[0]
 
 
+def test_a_plain_round_at_a_prompts_first_places_pays_their_extra_waits():
+    # the main job (stop 55): its drafted rounds right after a prefill waited 60-110 ms, its steady
+    # plain round took 5 ms; priced alike at every place, k = 0 looked like 200 tok/s at a prompt's
+    # first round and the governor switched speculation off there (its plain rounds then took
+    # 20-24 ms). Here each prompt's first round waits 60 ms plus 2 ms a verified token (the
+    # decode's experts streaming in), later rounds nothing; a plain round computes for 1.5 ms
+    governor = RooflineGovernor(k=4)
+
+    def verify_s(width: int, place: int) -> tuple[float, float]:
+        wait = 60e-3 + 2e-3 * width if place == 0 else 0.0
+        return 1e-3 + 0.5e-3 * width + wait, wait
+
+    plain_chosen_first = 0
+    for _ in range(16):
+        governor.start_prompt()
+        for place in range(10):
+            k = governor.next_k()
+            plain_chosen_first += k == 0 and place == 0 and not governor.history[-1]["probe"]
+            seconds, wait = verify_s(k + 1, place)
+            governor.observe(drafted=k, accepted=k, draft_s=0.2e-3 * k, draft_steps=k, flush_s=0.0, verify_s=seconds,
+                             verify_io_wait_s=wait, host_s=0.3e-3, round_s=seconds + 0.2e-3 * k + 0.3e-3)
+    assert plain_chosen_first == 0
+    governor.prompt_round = 0
+    assert governor.best_k() != 0
+    assert governor.verify_s(1) > 4 * verify_s(1, 5)[0]  # the place's waits, not the steady plain round
+    governor.prompt_round = 6  # past the first places: the plain round's own average, undisturbed
+    assert abs(governor.verify_s(1) / verify_s(1, 6)[0] - 1) < 0.15
+
+
 def test_where_wide_rounds_wait_less_a_token_the_waits_follow_the_width_where_rounds_fit_the_cache():
     # 50% of the widened model's experts on 2 GB/s, where a narrow round still fits the cache: the
     # wait per verified token falls with the width (bench-governor stop 40, fixed k each: 10.3 ms at
@@ -213,7 +243,11 @@ def test_where_every_round_streams_a_round_cut_short_at_a_prompts_end_leaves_the
                 governor.observe(drafted=drafted, accepted=accepted, cut_short=drafted < k, **timings)
                 produced += accepted + 1
         assert any(h["cut"] for h in governor.history)
-        return [governor.verify_s(t) for t in range(2, 18)]
+        predictions = []
+        for place in range(PROMPT_POOLS):  # the cut rounds' places pool their own waits
+            governor.prompt_round = place
+            predictions += [governor.verify_s(t) for t in range(2, 18)]
+        return predictions
 
     for seed in range(3):
         assert run(seed, 0.1, 4.0) == pytest.approx(run(seed, 1.0, 4.0), rel=1e-9)
