@@ -33,14 +33,12 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   average less its transfer waits plus the waits a drafted round has at this place
   (``PromptWaits.per_distinct``; every place pooled where every round streams) per distinct expert
   read, times a plain round's distinct experts: a plain round prefetches nothing ahead, so it waits
-  at least that. Why: the main job's plain rounds, measured where the cache already held the
-  decode's experts (4-5 ms), priced the rounds after a prefill, whose drafted widths waited
-  60-130 ms while the decode's experts streamed in, at 135-225 tok/s: the governor switched
-  speculation off there (its plain rounds then took 11-24 ms) and once stayed off for 22 rounds.
-  The first round is not measured. With
-  no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at
-  all, ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being ``t_draft /
-  draft_ratio``.
+  at least that. Why: the main job's plain round, measured where the cache already held the
+  decode's experts (5.0 ms), priced a prompt's first round, whose drafted widths waited while the
+  decode's experts streamed in (k = 8 at 97.6 ms), at 200 tok/s: the governor switched speculation
+  off there, its plain rounds then taking 19.6 and 23.5 ms. The first round is not measured. With
+  no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a
+  target step being ``t_draft / draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K`` where every round
   streams, see below, else ``DEFAULT_K_MAX``) with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)

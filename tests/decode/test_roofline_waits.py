@@ -167,7 +167,7 @@ def test_a_plain_round_at_a_prompts_first_places_pays_their_extra_waits():
     # the main job (stop 55): its drafted rounds right after a prefill waited 60-110 ms, its steady
     # plain round took 5 ms; priced alike at every place, k = 0 looked like 200 tok/s at a prompt's
     # first round and the governor switched speculation off there (its plain rounds then took
-    # 20-24 ms). Here each prompt's first round waits 60 ms plus 2 ms a verified token (the
+    # 19.6 and 23.5 ms). Here each prompt's first round waits 60 ms plus 2 ms a verified token (the
     # decode's experts streaming in), later rounds nothing; a plain round computes for 1.5 ms
     governor = RooflineGovernor(k=4)
 
