@@ -37,8 +37,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   decode's experts (5.0 ms), priced a prompt's first round, whose drafted widths waited while the
   decode's experts streamed in (k = 8 at 97.6 ms), at 200 tok/s: the governor switched speculation
   off there, its plain rounds then taking 19.6 and 23.5 ms. The first round is not measured. With
-  no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at all, ``V(T) = distinct(T) / distinct(1)`` target steps, a
-  target step being ``t_draft / draft_ratio``.
+  no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at all,
+  ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being ``t_draft /
+  draft_ratio``.
 - ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K`` where every round
   streams, see below, else ``DEFAULT_K_MAX``) with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
