@@ -205,11 +205,10 @@ class LeanDraftStep:
         input [1, H], top_k_weights [1, k], top_k_index [1, k])."""
         arch = self.arch
         write, cache, more = self._kv_places(layer, kv, position, static, ahead)
-        up, down = int4.up[0], int4.down[0]
         return native_rows.draft_layer(
             h, w.input_norm, w.q, w.k, w.v, w.q_norm, w.k_norm, cos.view(-1), signed_sin.view(-1), arch.head_dim,
             arch.eps, write, cache, more, w.o, w.post_norm, w.router, arch.scaling, arch.top_k, arch.renormalize,
-            (int4.up_packed, int4.up_scales, up.group_size), (int4.down_packed, int4.down_scales, down.group_size))
+            *int4.glu_token_weights)
 
     def _op_attention(self, layer: int, w, h: Tensor, cos: Tensor, signed_sin: Tensor, kv, position: int,
                       static: bool, ahead: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -171,12 +171,16 @@ class Int4Experts:
             y = self.post_norm(y)
         return (top_k_weights[0].float() @ y)[None].to(hidden.dtype)  # [1, H]
 
+    @property
+    def glu_token_weights(self) -> tuple[tuple[Tensor, Tensor, int], tuple[Tensor, Tensor, int]]:
+        """(up, down) as ``int4_native.glu_token`` takes them: (packed, scales, group size) each."""
+        return ((self.up_packed, self.up_scales, self.up[0].group_size),
+                (self.down_packed, self.down_scales, self.down[0].group_size))
+
     def forward_fused_token(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """One token's whole SiLU-gated sum in one native call (``fused_token`` must hold)."""
-        up, down = self.up[0], self.down[0]
-        return int4_native.glu_token(hidden, (self.up_packed, self.up_scales, up.group_size),
-                                     (self.down_packed, self.down_scales, down.group_size),
-                                     top_k_index[0], top_k_weights[0]).to(hidden.dtype)
+        return int4_native.glu_token(hidden, *self.glu_token_weights, top_k_index[0],
+                                     top_k_weights[0]).to(hidden.dtype)
 
     def forward_grouped(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Eager path: the (token, slot) pairs sorted by expert, one matmul per expert hit."""
