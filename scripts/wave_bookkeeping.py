@@ -1,0 +1,89 @@
+"""What a verification wave's host bookkeeping costs right after the wave's kernel, on a CPU device.
+
+Run: python scripts/wave_bookkeeping.py [--rows 3] [--repeats 60]   (one thread, ~20 s)
+
+Times the expert cache's own calls around one wave (``acquire(..., wait=False)``, ``await_any``,
+``release`` of two experts of a 16-slot cache, every slot READY) in three states of the core's
+caches: warm (the calls run back to back), right after a small kernel (a 64 x 256 ``sum``), and
+right after Specter's native gated-MLP kernel (``native_rows.glu_expert_groups``, what a wave runs)
+read one of 40 12 MiB float32 experts of the widened model's shape (on huge pages where Linux
+allows, as the engines' slots are), cycled, with ``--rows`` rows. Medians of
+``--repeats`` (the first ten dropped). Why: on a slow link a verification wave computes one or two
+experts, and the Python around it (the cache, the scheduler's streaming, the pairs' sort) runs
+with whatever the kernel left in the core's caches; the bench's verification cost per expert
+read counts that time as compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from specter import native
+from specter.memory import huge_pages
+from specter.memory.cache import ExpertCache
+from specter.memory.links import LocalLink
+from specter.memory.store import ExpertStore
+from specter.policies.lru import LRUPolicy
+
+EXPERTS, HIDDEN, INTER, LAYERS, SLOTS = 40, 256, 4096, 4, 16
+
+
+def small_cache() -> ExpertCache:
+    """A 16-slot cache over 4 layers x 16 tiny experts, every slot READY (the bookkeeping does not
+    depend on an expert's size)."""
+    store = ExpertStore({layer: {"gate_up_proj": torch.zeros(16, 8, 4), "down_proj": torch.zeros(16, 4, 4)}
+                         for layer in range(LAYERS)})
+    cache = ExpertCache(store, SLOTS, torch.device("cpu"), LocalLink(copy_thread=False), LRUPolicy())
+    cache.preload([(layer, expert) for layer in range(LAYERS) for expert in range(4)])
+    return cache
+
+
+def wave_bookkeeping(cache: ExpertCache, repeat: int) -> float:
+    """Seconds the cache's calls around one wave of two READY experts take (the ``repeat``-th)."""
+    layer, experts = repeat % LAYERS, [repeat % 4, (repeat + 1) % 4]
+    started = time.perf_counter()
+    cache.acquire(layer, experts, wait=False)
+    wave = cache.await_any(layer, experts)
+    cache.release(layer, wave)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=60)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if not native.available():
+        raise SystemExit("Specter's native kernels are not available on this machine")
+    gate_up = huge_pages.zeros((EXPERTS, 2 * INTER, HIDDEN), torch.float32).normal_(0, 0.01)
+    down = huge_pages.zeros((EXPERTS, HIDDEN, INTER), torch.float32).normal_(0, 0.01)
+    x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows, 1)
+    small = torch.randn(64, HIDDEN)
+    cache = small_cache()
+
+    def wave_kernel(repeat: int) -> None:
+        torch.ops.specter_native.glu_expert_groups(out, x, gate_up, down, weights, [repeat % EXPERTS], [0],
+                                                   [args.rows])
+
+    before: dict[str, Callable[[int], object]] = {
+        "warm (back to back)": lambda repeat: wave_bookkeeping(cache, repeat),
+        "after a small kernel": lambda repeat: small.sum(),
+        "after the wave kernel": wave_kernel,
+    }
+    print(f"the cache's acquire + await_any + release of two READY experts, medians of {args.repeats - 10}")
+    for name, run_before in before.items():
+        samples = []
+        for repeat in range(args.repeats):
+            run_before(repeat)
+            samples.append(wave_bookkeeping(cache, repeat))
+        print(f"  {name:24s} {statistics.median(samples[10:]) * 1e6:7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
