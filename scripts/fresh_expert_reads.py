@@ -34,18 +34,25 @@ from specter.memory import huge_pages, stream_copy
 EXPERTS, HIDDEN, INTER, PIECE_FLOATS = 40, 256, 4096, 65536
 
 
+def widened_experts() -> tuple[torch.Tensor, torch.Tensor]:
+    """One thread, Specter's native kernels (else exit), and ``EXPERTS`` float32 experts of the
+    widened model's shape, gate-up and down stacked, on 2 MiB pages where Linux allows (as the
+    engines' host store and cache slots are)."""
+    torch.set_num_threads(1)
+    if not native.available():
+        raise SystemExit("Specter's native kernels are not available on this machine")
+    gate_up = huge_pages.zeros((EXPERTS, 2 * INTER, HIDDEN), torch.float32).normal_(0, 0.01)
+    down = huge_pages.zeros((EXPERTS, HIDDEN, INTER), torch.float32).normal_(0, 0.01)
+    return gate_up, down
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=3)
     parser.add_argument("--gbps", type=float, default=2.0)
     parser.add_argument("--repeats", type=int, default=12)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    if not native.available():
-        raise SystemExit("Specter's native kernels are not available on this machine")
-    # on 2 MiB pages where Linux allows, as the engines' host store and cache slots are
-    gate_up = huge_pages.zeros((EXPERTS, 2 * INTER, HIDDEN), torch.float32).normal_(0, 0.01)
-    down = huge_pages.zeros((EXPERTS, HIDDEN, INTER), torch.float32).normal_(0, 0.01)
+    gate_up, down = widened_experts()
     slot_gate_up = huge_pages.zeros((2, 2 * INTER, HIDDEN), torch.float32)
     slot_down = huge_pages.zeros((2, HIDDEN, INTER), torch.float32)
     x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows, 1)

@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from specter import native
-from specter.memory import huge_pages
 from specter.memory.cache import ExpertCache
 from specter.memory.links import LocalLink
 from specter.memory.store import ExpertStore
 from specter.policies.lru import LRUPolicy
 
-EXPERTS, HIDDEN, INTER, LAYERS, SLOTS = 40, 256, 4096, 4, 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fresh_expert_reads import EXPERTS, HIDDEN, widened_experts  # noqa: E402  (a sibling script)
+
+LAYERS, SLOTS = 4, 16
 
 
 def small_cache() -> ExpertCache:
@@ -58,11 +61,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    if not native.available():
-        raise SystemExit("Specter's native kernels are not available on this machine")
-    gate_up = huge_pages.zeros((EXPERTS, 2 * INTER, HIDDEN), torch.float32).normal_(0, 0.01)
-    down = huge_pages.zeros((EXPERTS, HIDDEN, INTER), torch.float32).normal_(0, 0.01)
+    gate_up, down = widened_experts()
     x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows, 1)
     small = torch.randn(64, HIDDEN)
     cache = small_cache()
