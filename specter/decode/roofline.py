@@ -17,7 +17,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   (``PromptWaits``: the first rounds after a prefill stream the decode's experts in; each width's
   rate shrunk towards the place's pooled rate, as one round's wait scatters far more than the rest
   of its verification, then made non-increasing in T, as a wide round's tokens share the experts
-  they wait for), or where every round streams (``always_streams``) the widths' own rates at T over
+  they wait for; past the widest width measured there, its wait per distinct expert), or where
+  every round streams (``always_streams``) the widths' own rates at T over
   all places (``by_width``; past the widest measured width, its wait per distinct expert) but a
   round ``cut_short`` by the generation's end (its low wait pooled the wider widths' rates down:
   9-10% too cheap at 25% on 2 GB/s); the rest follows ``VerifyCost``
@@ -164,7 +165,7 @@ class RooflineGovernor(Governor):
         if curve is not None:
             now = (self.rounds, self._changed_at)
             wait = (self.wait.by_width(width, *now, distinct=self._distinct) if self.always_streams()
-                    else self.wait.value(*now, self.prompt_round, width))
+                    else self.wait.value(*now, self.prompt_round, width, distinct=self._distinct))
             return curve[min(width, len(curve) - 1)] + width * (wait or 0.0)
         if self.plain.value is not None:
             return self.plain.value * u
