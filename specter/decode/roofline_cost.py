@@ -164,12 +164,17 @@ class WaitPerToken:
             return curve[widest] * widest / width * distinct(width) / distinct(widest)
         return interpolate(curve, width)
 
+    def counted(self, changed_at: int) -> list[tuple[int, float, int]]:
+        """The samples the rates pool: those since ``changed_at`` once there are
+        ``OWN_WAIT_ROUNDS`` of them, else all."""
+        since = [sample for sample in self.samples if sample[2] >= changed_at]
+        return since if len(since) >= OWN_WAIT_ROUNDS else list(self.samples)
+
     def _update(self, now: int, changed_at: int) -> None:
         key = _state(self.samples, now, changed_at)
         if key == self._key:
             return
-        since = [sample for sample in self.samples if sample[2] >= changed_at]
-        samples = since if len(since) >= OWN_WAIT_ROUNDS else self.samples
+        samples = self.counted(changed_at)
         tokens: dict[int, float] = {}  # by width: age-weighted verified tokens and their waits
         waited: dict[int, float] = {}
         for t, v, r in samples:
@@ -220,11 +225,15 @@ class PromptWaits:
 
     def value(self, now: int, changed_at: int, place: int, width: int | None = None,
               distinct: Callable[[int], float] | None = None) -> float | None:
-        own = self.by_place[min(place, PROMPT_POOLS - 1)]
-        pool = own if len(own.samples) >= OWN_PLACE_ROUNDS else self.all
+        pool = self._pool(place)
         if width is None:
             return pool.value(now, changed_at)
         return pool.by_width(width, now, changed_at, shrunk=True, distinct=distinct)
+
+    def _pool(self, place: int) -> WaitPerToken:
+        """The place's own pool once it holds ``OWN_PLACE_ROUNDS`` rounds, else every round's."""
+        own = self.by_place[min(place, PROMPT_POOLS - 1)]
+        return own if len(own.samples) >= OWN_PLACE_ROUNDS else self.all
 
     def by_width(self, width: int, now: int, changed_at: int,
                  distinct: Callable[[int], float] | None = None) -> float | None:
@@ -236,10 +245,7 @@ class PromptWaits:
         ``place`` (None: every place), from the pool ``value`` answers from: the rounds since
         ``changed_at`` (all of them while fewer than ``OWN_WAIT_ROUNDS``), each weighted by its
         age; None with none."""
-        own = self.all if place is None else self.by_place[min(place, PROMPT_POOLS - 1)]
-        samples = (own if len(own.samples) >= OWN_PLACE_ROUNDS else self.all).samples
-        since = [sample for sample in samples if sample[2] >= changed_at]
-        samples = since if len(since) >= OWN_WAIT_ROUNDS else samples
+        samples = (self.all if place is None else self._pool(place)).counted(changed_at)
         experts = sum(_age_weight(now, r) * distinct(t) for t, _, r in samples)
         return sum(_age_weight(now, r) * v for _, v, r in samples) / experts if experts else None
 
