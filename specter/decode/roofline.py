@@ -41,8 +41,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at all,
   ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being ``t_draft /
   draft_ratio``.
-- ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K`` where every round
-  streams, see below, else ``DEFAULT_K_MAX``) with the highest predicted tokens/s
+- ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K``; 8 until stop 57,
+  where rounds fit the cache, which left 10-23% on the table in every cell measured there, the
+  frontier below reaching wide k only where they are measured to pay) with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
   and within ``frontier()``: at most ``FRONTIER_STEP`` beyond the widest k measured, so wider
   ones are reached step by step, each measured before the next is extrapolated (a fit through
@@ -58,7 +59,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   among those predicted within ``FAR_PROBE_RANGE`` of the best rate, k = 0 first when its own
   average is older than ``STALE_HALF_LIFE`` rounds), so that it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
-  most 8 x ``probe_every``), back to ``probe_every`` when the choice changes, and two rounds
+  most 8 x ``probe_every``; 4 x while speculation is off, where one probe's unlucky draw would
+  otherwise leave a draft that got good again unused for 8 x ``probe_every`` rounds), back to
+  ``probe_every`` when the choice changes, and two rounds
   after a probe whose first draft token was accepted (or rejected) against the odds, a probe
   that kept every draft while speculation is off (it also makes the acceptance estimate restart
   from its value, so the next observations move it fast and a draft that got good again is seen
@@ -100,11 +103,12 @@ from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch,
 log = logging.getLogger("specter.governor")
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
+OFF_PROBE_BACKOFF = 4  # ... up to 4 x probe_every while speculation is off (a probe is a round's draw: one unlucky
+                       # draw must not keep a draft that got good again unused for 8 x probe_every rounds)
 HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
 SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
 FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured
 TRANSITION_WEIGHT = 0.25  # how much the verify cost counts a round right after one at another k
-DEFAULT_K_MAX = 8  # k_max unless given, where rounds fit the cache (where every round streams: MAX_K)
 
 
 class RooflineGovernor(Governor):
@@ -116,7 +120,7 @@ class RooflineGovernor(Governor):
         self.n_experts, self.top_k = n_experts, top_k
         self._distinct = lambda tokens: distinct_experts(tokens, n_experts, top_k)  # a width's experts per layer
         self.cache_slots_per_layer = cache_slots_per_layer  # None: unknown, the frontier always applies
-        k_max = (MAX_K if self.always_streams() else DEFAULT_K_MAX) if k_max is None else k_max
+        k_max = MAX_K if k_max is None else k_max
         if not 1 <= k_max <= MAX_K or not 0 <= k <= k_max:
             raise ValueError(f"roofline governor: need 0 <= k <= k_max <= {MAX_K}, got k={k}, k_max={k_max}")
         self.k_max, self.k0 = k_max, k
@@ -242,7 +246,8 @@ class RooflineGovernor(Governor):
                 self._interval, self._last_best = self.probe_every, best
             if self.rounds >= self._next_probe:
                 self._next_probe = self.rounds + self._interval
-                self._interval = min(self._interval * 2, MAX_PROBE_BACKOFF * self.probe_every)
+                backoff = OFF_PROBE_BACKOFF if best == 0 else MAX_PROBE_BACKOFF
+                self._interval = min(self._interval * 2, backoff * self.probe_every)
                 self._probes += 1
                 k = self._probe_k(k)
                 probe = True

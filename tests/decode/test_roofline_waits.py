@@ -36,7 +36,7 @@ def test_scattered_waits_reported_apart_leave_every_width_predicted_by_its_mean(
     def run(seed: int, reports_waits: bool) -> tuple[float, float]:
         machine = WaitingMachine(0.95, 0.0, per_expert=3e-3, wait_per_token=5e-3)
         machine.rng, machine.waits = random.Random(100 + seed), random.Random(seed)
-        governor, tokens, seconds = RooflineGovernor(k=4), 0, 0.0
+        governor, tokens, seconds = RooflineGovernor(k=4, k_max=8), 0, 0.0  # the widths 0..8 compared below
         for i in range(200):
             k = governor.next_k()
             accepted, timings = machine.round(k)
