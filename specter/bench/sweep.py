@@ -14,7 +14,9 @@ docs/benchmarks.md and read by ``specter.bench.tables`` and ``specter.bench.plot
   ratios within a cell and between a compiled row and its eager row.
 - A row is one (engine label, budget, link, compile mode): decode tokens/s (median, min, max and
   every run), the figures of its last run, whether its greedy tokens equal the eager
-  ``resident`` engine's, and its median's ratio to each baseline's median in the same cell.
+  ``resident`` engine's, its median's ratio to each baseline's median in the same cell, and how
+  fast one thread read its cache slots (or its large weights) after the cell's runs
+  (``memory_read_gibps``, ``specter.bench.memory_rate``).
 - Labels: ``specter k=K`` (fixed k), ``specter <governor>``; ``ondemand`` has the cache of the
   ``specter`` engine (same cache size); ``ondemand@same-memory`` has that cache plus the bytes of
   ``specter``'s INT4 draft (same total device memory); ``<label> (twin)``: a second engine built
@@ -33,6 +35,7 @@ from typing import Any, Iterator
 
 import torch
 
+from specter.bench.memory_rate import engine_read_rate
 from specter.bench.spec import SAME_MEMORY, TWIN_SUFFIX, BenchSpec
 
 SCHEMA = "specter.bench/2"
@@ -83,6 +86,7 @@ class Sweep:
         self.tokens: dict[tuple, list[list[int]]] = {}
         self.cells: dict[tuple, dict[str, list[float]]] = {}  # (budget, link, compile) -> label -> tok/s runs
         self.meta: dict[str, dict] = {}  # label -> {engine, k, governor, note}
+        self.read_rates: dict[tuple, float | None] = {}  # (label, budget, link, compile) -> GiB/s (memory_rate)
         self.reference: list[list[int]] | None = None
         self.progress = Progress(self._count_runs(), spec.title, progress)
 
@@ -158,6 +162,8 @@ class Sweep:
                     self.reference = result.token_ids
                 self.progress.step()
                 self.progress.log(f"[{_cell_name(budget, link, compile)} #{repeat + 1}] {label}: {rate:.2f} tok/s")
+        for (label, compile), engine in engines.items():  # after the timed runs: where each one's memory landed
+            self.read_rates[scopes.get((label, compile), (label, budget, link, compile))] = engine_read_rate(engine)
 
     def run(self) -> None:
         """Both compile modes' engines of a (budget, link) take turns in one cell run, so a compiled
@@ -234,6 +240,7 @@ class Sweep:
                 "phases": last.get("phases"), "decode_step_s": last.get("decode_step_s"),
                 "governor_summary": last.get("governor") if meta["engine"] == "specter" else None,
                 "link_stats": last.get("link"), "prefetch": _prefetch_state(last.get("prediction")),
+                "memory_read_gibps": self.read_rates.get(key),
             })
         return out
 

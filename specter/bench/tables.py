@@ -22,7 +22,8 @@ both medians, compiled / eager (medians, and the range over runs paired by repea
 counting the rows at or above 1.00x and, of those below, the ones within the A/A noise floor (a
 row's own twins' largest gap where it has twins, else the smallest such floor of the run);
 and "Noise floor: identical engines (A/A)", one row per row with ``twin_of`` (``sweep.twins``):
-the two medians, their ratio and the range of the paired runs' ratios, and the largest gap.
+the two medians, their ratio, the range of the paired runs' ratios and both engines' memory read
+rates (``memory_read_gibps``: where their memory landed), and the largest gap.
 """
 
 from __future__ import annotations
@@ -348,10 +349,12 @@ def twin_section(bench: dict) -> list[str]:
         a, b = original.get("decode_tokens_per_s") or {}, twin.get("decode_tokens_per_s") or {}
         paired = _paired_runs(twin, original)
         out.append((twin["twin_of"], _where(twin), _num(a.get("median"), 2), _num(b.get("median"), 2),
-                    _ratio(_median_ratio(twin, original)), f"{min(paired):.2f}-{max(paired):.2f}x" if paired else "-"))
+                    _ratio(_median_ratio(twin, original)), f"{min(paired):.2f}-{max(paired):.2f}x" if paired else "-",
+                    f"{_num(original.get('memory_read_gibps'), 1)} / {_num(twin.get('memory_read_gibps'), 1)}"))
     if not out:
         return []
-    lines = _rows_table(("row", "cell", "original tok/s", "twin tok/s", "twin / original", "paired runs"), out)
+    lines = _rows_table(("row", "cell", "original tok/s", "twin tok/s", "twin / original", "paired runs",
+                         "memory read GiB/s (original / twin)"), out)
     gaps = _twin_gaps(bench.get("rows") or [])
     if gaps:
         by_row = "" if len(gaps) == 1 else f" (by row: {_by_label(gaps)})"

@@ -77,6 +77,13 @@ def test_a_twin_is_a_second_engine_built_as_its_row(document):
     assert document["bench_recipe"]["sweep"]["twins"] == ["specter k=2"]
 
 
+def test_every_row_on_a_cpu_carries_its_engines_memory_read_rate(document):
+    for row in document["rows"]:
+        if row["engine"] == "hf-offload":
+            continue  # accelerate's disk offload: its weights are not ours to read
+        assert row["memory_read_gibps"] > 0, row["label"]
+
+
 def test_links_are_labelled_and_the_document_is_json(document):
     assert document["schema"] == "specter.bench/2"
     assert document["links"]["slow"]["emulated"] is True and document["links"]["fast"]["emulated"] is False

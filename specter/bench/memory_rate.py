@@ -1,0 +1,50 @@
+"""How fast one thread reads the memory an engine's decoding reads most: a bench diagnostic.
+
+Contract: ``engine_read_rate(engine, repeats=3) -> float | None``: GiB/s, the median over
+``repeats`` of one whole streaming read (``Tensor.sum``) of an offloaded engine's cache slots
+(``engine.cache.slots``: what verification reads), else of the model's parameters of at least 2 MiB
+(a ``resident`` engine's experts and LM head; all of them in a model without such); None where
+there are none on a CPU (on a GPU the
+host thread's read rate says nothing about the kernels').
+
+Why: two identical engines of one bench run (its twins) have landed up to 18% apart, the same one
+ahead in every repeat. On this project's KVM guest (stop 57), a few of the huge-page buffers a
+process allocates can read 15-20% below the others for their whole life, and an engine whose
+cache slots land there verifies that much slower. The bench records each row's rate
+(``memory_read_gibps``) and prints it beside the twins, so a gap between two of them can be told
+apart from a change in the code.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+LARGE_BYTES = 2 << 20
+
+
+def engine_read_rate(engine, repeats: int = 3) -> float | None:
+    buffers = _read_most(engine)
+    if not buffers:
+        return None
+    total = sum(buffer.nbytes for buffer in buffers)
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for buffer in buffers:
+            buffer.sum()
+        rates.append(total / 2**30 / (time.perf_counter() - started))
+    return statistics.median(rates)
+
+
+def _read_most(engine) -> list[torch.Tensor]:
+    cache = getattr(engine, "cache", None)
+    if cache is not None and getattr(cache, "slots", None):
+        tensors = list(cache.slots.values())
+    else:
+        model = getattr(engine, "model", None)
+        weights = [p.detach() for p in model.parameters()] if model is not None else []
+        tensors = [w for w in weights if w.nbytes >= LARGE_BYTES] or weights
+    return [t for t in tensors if t.device.type == "cpu" and t.is_floating_point()]
