@@ -45,10 +45,12 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   where rounds fit the cache, which left 10-23% on the table in every cell measured there, the
   frontier below reaching wide k only where they are measured to pay) with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
-  and within ``frontier()``: at most ``FRONTIER_STEP`` beyond the widest k measured, so wider
-  ones are reached step by step, each measured before the next is extrapolated (a fit through
-  widths that fit the cache cannot see the cost that jumps once a round's experts stop
-  fitting), except where even a round of ``FRONTIER_STEP`` drafts streams (more distinct
+  and within ``frontier()``: at most twice the widest k measured, or ``FRONTIER_STEP`` beyond it
+  where that is further, so wider ones are reached step by step, each measured before the next is
+  extrapolated (a fit through widths that fit the cache cannot see the cost that jumps once a
+  round's experts stop fitting; the steps double since stop 57: two at a time, a bench cell's
+  55 rounds were spent climbing to k = 32, and in one process the doubling ran 1.04-1.15x on the
+  widened model's 50% cells, neutral on the main job), except where even a round of ``FRONTIER_STEP`` drafts streams (more distinct
   experts per layer than ``cache_slots_per_layer``, the engine's cache slots over its MoE
   layers): every round streams, there is no such cliff ahead, and any k up to ``k_max`` may be
   chosen. The current choice is kept while no other k is predicted more than ``HOLD_MARGIN``
@@ -67,7 +69,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   from its value, so the next observations move it fast and a draft that got good again is seen
   within a few probes), or a chosen round that ``RoundWatch`` (``specter.decode.roofline_watch``)
   finds off its prediction beyond the usual miss. Two rounds in a row far off the same way (a
-  lone one is held back, unlearnt, and dropped if the next runs as predicted) mark a change of
+  lone one is held back, unlearnt, and dropped if the next runs as predicted; not a drafted
+  round whose place in its prompt has no waits of its own yet, which its prediction could not
+  see: dropped, a prompt's first rounds never got their own, stop 57) mark a change of
   conditions (see ``V(T)``), and both neighbours of the k are tried next. The first rounds
   visit k0, then 0, 1 and 2 (and k_max where every round streams) twice each to calibrate (the
   second round at each k a steady one; after ``link_changed()`` see there). A plain round right
@@ -107,7 +111,7 @@ OFF_PROBE_BACKOFF = 4  # ... up to 4 x probe_every while speculation is off (a p
                        # draw must not keep a draft that got good again unused for 8 x probe_every rounds)
 HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
 SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
-FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured
+FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured, or to twice it
 TRANSITION_WEIGHT = 0.25  # how much the verify cost counts a round right after one at another k
 
 
@@ -205,12 +209,14 @@ class RooflineGovernor(Governor):
         return capacity is not None and self._distinct(FRONTIER_STEP + 1) > capacity
 
     def frontier(self) -> int:
-        """The widest k that may be chosen or probed now: ``FRONTIER_STEP`` beyond the widest k
-        measured (``k0`` before any was); ``k_max`` where ``always_streams`` (no cliff ahead)."""
+        """The widest k that may be chosen or probed now: twice the widest k measured (``k0``
+        before any was), at least ``FRONTIER_STEP`` beyond it; ``k_max`` where ``always_streams``
+        (no cliff ahead)."""
         if self.always_streams():
             return self.k_max
         measured = [t for t in self.verify_round if t > 1]
-        return min(self.k_max, max(max(measured, default=0) - 1, self.k0) + FRONTIER_STEP)
+        widest = max(max(measured, default=0) - 1, self.k0)
+        return min(self.k_max, max(widest + FRONTIER_STEP, 2 * widest))
 
     def best_k(self) -> int | None:
         best, best_rate, rows, frontier = None, -1.0, self.table(), self.frontier()
@@ -295,7 +301,7 @@ class RooflineGovernor(Governor):
         transition = len(self.history) >= 2 and self.history[-2]["k"] != self.history[-1]["k"]
         first = self.rounds == 1  # right after the first prefill the cache holds the prompt's experts: not a width's cost
         sample = (self.rounds, drafted, timings, transition, not (warm_plain or first), place)
-        verdict = self._judge(drafted, timings, transition)
+        verdict = self._judge(drafted, timings, transition, place)
         if verdict == HOLD:
             self.watch.hold(sample)  # learnt from only if the next round is as far off
             return
@@ -310,9 +316,12 @@ class RooflineGovernor(Governor):
             neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
             self._calibration = [c for c in neighbours if c != drafted]
 
-    def _judge(self, drafted: int, timings: dict, transition: bool) -> str:
+    def _judge(self, drafted: int, timings: dict, transition: bool, place: int) -> str:
         """Records the round's measured time and, for a chosen round, ``RoundWatch``'s verdict on
-        it (the prediction ``known`` where it stands on the width's own recent steady rounds)."""
+        it (the prediction ``known`` where it stands on the width's own recent steady rounds and,
+        for a drafted round, on its place's own waits: a prompt's first rounds, priced from every
+        round's waits until their place has its own, would be held back and dropped as lone
+        surprises, and their place would never get its own)."""
         if not self.history or "round_s" not in timings:
             return NOISE
         entry = self.history[-1]
@@ -325,6 +334,7 @@ class RooflineGovernor(Governor):
             return NOISE
         last = self._steady_round.get(drafted + 1, -math.inf)
         known = last >= self._changed_at and self.rounds - last <= STALE_HALF_LIFE
+        known = known and (not drafted or self.always_streams() or self.wait.priced_apart(place))
         return self.watch.judge(timings["round_s"], predicted, transition, known)
 
     def _learn(self, now: int, drafted: int, timings: dict, transition: bool, measured_verify: bool,

@@ -232,8 +232,15 @@ class PromptWaits:
 
     def _pool(self, place: int) -> WaitPerToken:
         """The place's own pool once it holds ``OWN_PLACE_ROUNDS`` rounds, else every round's."""
-        own = self.by_place[min(place, PROMPT_POOLS - 1)]
-        return own if len(own.samples) >= OWN_PLACE_ROUNDS else self.all
+        return self.by_place[min(place, PROMPT_POOLS - 1)] if self._own(place) else self.all
+
+    def _own(self, place: int) -> bool:
+        return len(self.by_place[min(place, PROMPT_POOLS - 1)].samples) >= OWN_PLACE_ROUNDS
+
+    def priced_apart(self, place: int) -> bool:
+        """Whether a round at ``place`` is priced from waits of its own place: its pool holds
+        ``OWN_PLACE_ROUNDS`` rounds, or no waits were reported at all (nothing differs by place)."""
+        return not self.all.samples or self._own(place)
 
     def by_width(self, width: int, now: int, changed_at: int,
                  distinct: Callable[[int], float] | None = None) -> float | None:
