@@ -12,7 +12,9 @@ ahead in every repeat. On this project's KVM guest (stop 57), a few of the huge-
 process allocates can read 15-20% below the others for their whole life, and an engine whose
 cache slots land there verifies that much slower. The bench records each row's rate
 (``memory_read_gibps``) and prints it beside the twins, so a gap between two of them can be told
-apart from a change in the code.
+apart from a change in the code. The rate is the memory's only where the buffers outgrow the
+last-level cache (the widened model's slots, 388 MiB at 50%); the bundled model's (12-24 MiB) sit
+partly in it, and their rate follows what ran just before (12.3-18.8 GiB/s in one run, stop 57).
 """
 
 from __future__ import annotations
