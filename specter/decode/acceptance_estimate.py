@@ -13,9 +13,9 @@ observations (deep positions while the governor keeps k small) follows ``q`` ins
 few outcomes. A fast pooled average (``FAST_EMA``) watches for a change: once the two are more
 than ``SHIFT`` apart at the end of ``SHIFT_ROUNDS`` rounds in a row (a prompt the draft does
 badly on, or well again), the slow one restarts from the fast one and the positions' counts are
-dropped; the pooled mean then moves by 1/3, 1/4, ... of each new observation, as from a start. ``observe(..., surprised=True)`` (the caller
-saw the draft defy the estimate: the roofline passes a probe that kept every draft while
-speculation was off) restarts it the same way.
+dropped; the pooled mean then moves by 1/3, 1/4, ... of each new observation, as from a start.
+``observe(..., surprised=True)`` (the caller saw the draft defy the estimate: the roofline passes a
+probe that kept every draft while speculation was off) restarts it the same way.
 
 Why (``python scripts/acceptance_estimate_sim.py``, 20 seeds): with a moving average per position
 alone, the expected accepted tokens at k = 8 were 17% off on average for a draft accepted with

@@ -41,21 +41,23 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at all,
   ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being ``t_draft /
   draft_ratio``.
-- ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K``; 8 until stop 57,
-  where rounds fit the cache, which left 10-23% on the table in every cell measured there, the
-  frontier below reaching wide k only where they are measured to pay) with the highest predicted tokens/s
+- ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K``; until stop 57
+  8 where rounds fit the cache, which left up to 23% on the table, 7.7% on the main job, and tied
+  at the widened model's 50% `local` eager cell; the frontier below reaches wide k only where they
+  are measured to pay) with the highest predicted tokens/s
   (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
   and within ``frontier()``: at most twice the widest k measured, or ``FRONTIER_STEP`` beyond it
   where that is further, so wider ones are reached step by step, each measured before the next is
   extrapolated (a fit through widths that fit the cache cannot see the cost that jumps once a
   round's experts stop fitting; the steps double since stop 57: two at a time, a bench cell's
   55 rounds were spent climbing to k = 32, and in one process the doubling ran 1.04-1.15x on the
-  widened model's 50% cells, neutral on the main job), except where even a round of ``FRONTIER_STEP`` drafts streams (more distinct
-  experts per layer than ``cache_slots_per_layer``, the engine's cache slots over its MoE
-  layers): every round streams, there is no such cliff ahead, and any k up to ``k_max`` may be
-  chosen. The current choice is kept while no other k is predicted more than ``HOLD_MARGIN``
-  faster (``SWITCH_MARGIN`` where one of them is 0): on a flat roofline, noise must not make it
-  flap, and each change of k costs a round that pays for the other width's cache contents.
+  widened model's 50% cells, neutral on the main job), except where even a round of
+  ``FRONTIER_STEP`` drafts streams (more distinct experts per layer than
+  ``cache_slots_per_layer``, the engine's cache slots over its MoE layers): every round streams,
+  there is no such cliff ahead, and any k up to ``k_max`` may be chosen. The current choice is
+  kept while no other k is predicted more than ``HOLD_MARGIN`` faster (``SWITCH_MARGIN`` where
+  one of them is 0): on a flat roofline, noise must not make it flap, and each change of k costs
+  a round that pays for the other width's cache contents.
   k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 2
   when speculation is off, and every third time the k whose width was measured least recently
   among those predicted within ``FAR_PROBE_RANGE`` of the best rate, k = 0 first when its own
