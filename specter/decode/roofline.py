@@ -41,30 +41,25 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   no drafted round yet, widths scale from T = 1 by distinct experts; with no measurement at all,
   ``V(T) = distinct(T) / distinct(1)`` target steps, a target step being ``t_draft /
   draft_ratio``.
-- ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K``; until stop 57
-  8 where rounds fit the cache, which left up to 23% on the table, 7.7% on the main job, and tied
-  at the widened model's 50% `local` eager cell; the frontier below reaches wide k only where they
-  are measured to pay) with the highest predicted tokens/s
-  (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if set)
-  and within ``frontier()``: at most twice the widest k measured, or ``FRONTIER_STEP`` beyond it
-  where that is further, so wider ones are reached step by step, each measured before the next is
-  extrapolated (a fit through widths that fit the cache cannot see the cost that jumps once a
-  round's experts stop fitting; the steps double since stop 57: two at a time, a bench cell's
-  55 rounds were spent climbing to k = 32, and in one process the doubling ran 1.04-1.15x on the
-  widened model's 50% cells, neutral on the main job), except where even a round of
-  ``FRONTIER_STEP`` drafts streams (more distinct experts per layer than
+- ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K``, since stop 57;
+  the frontier below reaches wide k only where they are measured to pay) with the highest predicted
+  tokens/s (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if
+  set) and within ``frontier()``: at most twice the widest k measured, or ``FRONTIER_STEP`` beyond
+  it where that is further, so wider ones are reached step by step, each measured before the next
+  is extrapolated (a fit through widths that fit the cache cannot see the cost that jumps once a
+  round's experts stop fitting; doubling, not two at a time, since stop 57), except where even a
+  round of ``FRONTIER_STEP`` drafts streams (more distinct experts per layer than
   ``cache_slots_per_layer``, the engine's cache slots over its MoE layers): every round streams,
-  there is no such cliff ahead, and any k up to ``k_max`` may be chosen. The current choice is
-  kept while no other k is predicted more than ``HOLD_MARGIN`` faster (``SWITCH_MARGIN`` where
-  one of them is 0): on a flat roofline, noise must not make it flap, and each change of k costs
-  a round that pays for the other width's cache contents.
+  there is no such cliff ahead, and any k up to ``k_max`` may be chosen. The current choice is kept
+  while no other k is predicted more than ``HOLD_MARGIN`` faster (``SWITCH_MARGIN`` where one of
+  them is 0): on a flat roofline, noise must not make it flap, and each change of k costs a round
+  that pays for the other width's cache contents.
   k = 0 is plain decoding for that round. Now and then it tries another k (k + 1 and k - 1, k = 2
   when speculation is off, and every third time the k whose width was measured least recently
   among those predicted within ``FAR_PROBE_RANGE`` of the best rate, k = 0 first when its own
   average is older than ``STALE_HALF_LIFE`` rounds), so that it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
-  most 8 x ``probe_every``; 4 x while speculation is off, where one probe's unlucky draw would
-  otherwise leave a draft that got good again unused for 8 x ``probe_every`` rounds), back to
+  most 8 x ``probe_every``; ``OFF_PROBE_BACKOFF`` x while speculation is off), back to
   ``probe_every`` when the choice changes, and two rounds
   after a probe whose first draft token was accepted (or rejected) against the odds, a probe
   that kept every draft while speculation is off (it also makes the acceptance estimate restart
@@ -72,8 +67,7 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   within a few probes), or a chosen round that ``RoundWatch`` (``specter.decode.roofline_watch``)
   finds off its prediction beyond the usual miss. Two rounds in a row far off the same way (a
   lone one is held back, unlearnt, and dropped if the next runs as predicted; not a drafted
-  round whose place in its prompt has no waits of its own yet, which its prediction could not
-  see: dropped, a prompt's first rounds never got their own, stop 57) mark a change of
+  round whose place in its prompt has no waits of its own yet: ``_judge``) mark a change of
   conditions (see ``V(T)``), and both neighbours of the k are tried next. The first rounds
   visit k0, then 0, 1 and 2 (and k_max where every round streams) twice each to calibrate (the
   second round at each k a steady one; after ``link_changed()`` see there). A plain round right
@@ -109,8 +103,7 @@ from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch,
 log = logging.getLogger("specter.governor")
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
 MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
-OFF_PROBE_BACKOFF = 4  # ... up to 4 x probe_every while speculation is off (a probe is a round's draw: one unlucky
-                       # draw must not keep a draft that got good again unused for 8 x probe_every rounds)
+OFF_PROBE_BACKOFF = 4  # ... up to 4 x while off: one unlucky probe must not leave a good draft unused for 8 x
 HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
 SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
 FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured, or to twice it
