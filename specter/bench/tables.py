@@ -17,7 +17,8 @@ phase's share of the round; the prefetch mode its last run ended in, ``(auto)`` 
 ``offload.prefetch: auto`` chose it),
 and "Governor", one row per row whose ``governor_summary`` names a governor other than ``fixed``,
 followed by the roofline table of the first such row of each (budget, link, compile) cell;
-"Compiled against eager", one row per compiled row with an eager row of the same label and cell:
+"Compiled against eager" (``specter.bench.pairs``, as the next), one row per compiled row with
+an eager row of the same label and cell:
 both medians, compiled / eager (medians, and the range over runs paired by repeat), then a line
 counting the rows at or above 1.00x and, of those below, the ones within the A/A noise floor (a
 row's own twins' largest gap where it has twins, else the smallest such floor of the run);
@@ -30,28 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from specter.bench import markdown_format as fmt
+from specter.bench.pairs import compile_section, twin_section
+
 SAME_MEMORY = "ondemand@same-memory"
 
 COLUMNS = (
     "engine", "compile", "decode tok/s median (min-max)", "vs ondemand", "vs same-memory", "vs resident",
     "hit rate", "copies/token", "I/O wait share", "acceptance", "mean k", "device MiB", "lossless",
 )
-
-
-def _num(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:g}%"
-
-
-def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def _tokens(stats: dict | None) -> str:
@@ -70,7 +58,7 @@ def _lossless(value: bool | None) -> str:
 
 def _mean_k(row: dict) -> str:
     k = row.get("k_mean")
-    return _num(k if k is not None else row.get("k"), 2)
+    return fmt.num(k if k is not None else row.get("k"), 2)
 
 
 def _mib(nbytes: int | None) -> str:
@@ -81,7 +69,7 @@ def _label(row: dict, independent: bool) -> str:
     label = row.get("label") or row.get("engine") or "?"
     if not independent:
         return label
-    where = [f"budget {_pct(row['budget'])}"] if row.get("budget") is not None else []
+    where = [f"budget {fmt.pct(row['budget'])}"] if row.get("budget") is not None else []
     where += [f"link {row['link']}"] if row.get("link") is not None else []
     return f"{label} ({', '.join(where)})" if where else label
 
@@ -92,18 +80,18 @@ def table_row(row: dict, independent: bool = False) -> str:
         _label(row, independent),
         "compiled" if row.get("compile") else "eager",
         _tokens(row.get("decode_tokens_per_s")),
-        _ratio(ratios.get("ondemand")),
-        _ratio(ratios.get(SAME_MEMORY)),
-        _ratio(ratios.get("resident")),
-        _num(row.get("hit_rate"), 3),
-        _num(row.get("copies_per_token"), 2),
-        _num(row.get("io_wait_share"), 3),
-        _num(row.get("acceptance_rate"), 3),
+        fmt.ratio(ratios.get("ondemand")),
+        fmt.ratio(ratios.get(SAME_MEMORY)),
+        fmt.ratio(ratios.get("resident")),
+        fmt.num(row.get("hit_rate"), 3),
+        fmt.num(row.get("copies_per_token"), 2),
+        fmt.num(row.get("io_wait_share"), 3),
+        fmt.num(row.get("acceptance_rate"), 3),
         _mean_k(row),
         _mib(row.get("device_bytes_total")),
         _lossless(row.get("lossless")),
     )
-    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+    return "| " + " | ".join(fmt.escape(c) for c in cells) + " |"
 
 
 def table(rows: Iterable[dict], independent: bool = False) -> list[str]:
@@ -112,7 +100,7 @@ def table(rows: Iterable[dict], independent: bool = False) -> list[str]:
     lines += [table_row(row, independent) for row in rows]
     notes = list(dict.fromkeys((row.get("label") or row.get("engine") or "?", row["note"]) for row in rows if row.get("note")))
     if notes:
-        lines += [""] + [f"- {_cell(label)}: {_cell(note)}" for label, note in notes]
+        lines += [""] + [f"- {fmt.escape(label)}: {fmt.escape(note)}" for label, note in notes]
     return lines
 
 
@@ -168,31 +156,6 @@ PHASE_COLUMNS = (
 GOVERNOR_COLUMNS = ("label", "cell", "k histogram", "prediction error", "probes", "rounds cut at prompt end")
 
 
-def _mul(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
-
-
-def _div(num: float | None, den: float | None) -> float | None:
-    return None if num is None or not den else num / den
-
-
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:.1f}%"
-
-
-def _rows_table(columns: Iterable[str], rows: Iterable[Iterable[object]]) -> list[str]:
-    columns = list(columns)
-    return (["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-            + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows])
-
-
-def _where(row: dict, mode: bool = True) -> str:
-    """The row's cell, ``budget / link``, and (``mode``) ``/ compiled`` or ``/ eager``."""
-    budget = "-" if row.get("budget") is None else _pct(row["budget"])
-    cell = f"{budget} / {row.get('link') or '-'}"
-    return f"{cell} / {'compiled' if row.get('compile') else 'eager'}" if mode else cell
-
-
 def phase_table(bench: dict) -> list[str]:
     rows = bench.get("rows") or []
     model = bench.get("model") or {}
@@ -212,22 +175,24 @@ def phase_table(bench: dict) -> list[str]:
             continue
         target = step("resident", row, False)  # a target step with no transfer in it
         target = target if target is not None else step("ondemand", row, True)
-        per_expert = _div(target, reads)
+        per_expert = fmt.div(target, reads)
         verify_expert = phases.get("verify_compute_s_per_expert")
         total = sum(phases.get(key) or 0.0 for key in ("draft_s", "flush_s", "verify_s", "host_s"))
         out.append((
             row.get("label") or row.get("engine") or "?",
-            "-" if row.get("budget") is None else _pct(row["budget"]), row.get("link") or "-",
+            "-" if row.get("budget") is None else fmt.pct(row["budget"]), row.get("link") or "-",
             "compiled" if row.get("compile") else "eager",
             "-" if phases.get("rounds") is None else phases["rounds"],
-            _num(_mul(phases.get("draft_step_s"), 1e3), 2), _num(_div(phases.get("draft_step_s"), target), 3),
-            _num(_mul(phases.get("verify_s_per_round"), 1e3), 2), _num(phases.get("verify_tokens_per_round"), 2),
-            _num(phases.get("distinct_experts_per_layer"), 2), _num(_mul(verify_expert, 1e3), 3),
-            _num(_mul(per_expert, 1e3), 3), _ratio(_div(verify_expert, per_expert)),
-            *(_share(_div(phases.get(key), total)) for key in ("draft_s", "verify_s", "host_s")),
+            fmt.num(fmt.mul(phases.get("draft_step_s"), 1e3), 2),
+            fmt.num(fmt.div(phases.get("draft_step_s"), target), 3),
+            fmt.num(fmt.mul(phases.get("verify_s_per_round"), 1e3), 2),
+            fmt.num(phases.get("verify_tokens_per_round"), 2),
+            fmt.num(phases.get("distinct_experts_per_layer"), 2), fmt.num(fmt.mul(verify_expert, 1e3), 3),
+            fmt.num(fmt.mul(per_expert, 1e3), 3), fmt.ratio(fmt.div(verify_expert, per_expert)),
+            *(fmt.share(fmt.div(phases.get(key), total)) for key in ("draft_s", "verify_s", "host_s")),
             _prefetch_cell(row.get("prefetch")),
         ))
-    return _rows_table(PHASE_COLUMNS, out) if out else []
+    return fmt.rows_table(PHASE_COLUMNS, out) if out else []
 
 
 def _prefetch_cell(prefetch: dict | None) -> str:
@@ -248,7 +213,7 @@ def governor_section(bench: dict) -> list[str]:
         summary = row["governor_summary"]
         histogram = row.get("k_histogram") or {}
         error, total = summary.get("prediction_error"), summary.get("prediction_total_error")
-        out.append((f"{row.get('label') or row.get('engine') or '?'} ({summary['name']})", _where(row),
+        out.append((f"{row.get('label') or row.get('engine') or '?'} ({summary['name']})", fmt.where(row),
                     " ".join(f"{k}:{n}" for k, n in sorted(histogram.items(), key=lambda kv: int(kv[0]))) or "-",
                     "-" if error is None else f"{error:.1%}" + ("" if total is None else f" ({total:.1%} total)"),
                     "-" if summary.get("probes") is None else summary["probes"],
@@ -256,7 +221,7 @@ def governor_section(bench: dict) -> list[str]:
         key = (row.get("budget"), row.get("link"), bool(row.get("compile")))
         if summary.get("table") and key not in tables:
             tables[key] = row
-    lines = _rows_table(GOVERNOR_COLUMNS, out)
+    lines = fmt.rows_table(GOVERNOR_COLUMNS, out)
     if tables:
         lines += ["", "Each roofline table is the governor's prediction, when the run ended, for a round at the place in "
                       "its prompt where the last one stopped: usually past a prompt's first rounds, whose transfer waits "
@@ -264,102 +229,11 @@ def governor_section(bench: dict) -> list[str]:
                       "the run made."]
     for row in tables.values():
         entries = [e for e in row["governor_summary"]["table"] if isinstance(e, dict)]
-        lines += ["", f"Roofline table of {row.get('label') or row.get('engine') or '?'} ({_where(row)}):", ""]
-        lines += _rows_table(("k", "expected accepted", "predicted round ms", "predicted tok/s"), (
-            ("-" if e.get("k") is None else e["k"], _num(e.get("expected_accepted"), 2),
-             _num(_mul(e.get("predicted_round_s"), 1e3), 2), _num(e.get("predicted_tokens_per_s"), 2))
+        lines += ["", f"Roofline table of {row.get('label') or row.get('engine') or '?'} ({fmt.where(row)}):", ""]
+        lines += fmt.rows_table(("k", "expected accepted", "predicted round ms", "predicted tok/s"), (
+            ("-" if e.get("k") is None else e["k"], fmt.num(e.get("expected_accepted"), 2),
+             fmt.num(fmt.mul(e.get("predicted_round_s"), 1e3), 2), fmt.num(e.get("predicted_tokens_per_s"), 2))
             for e in entries))
-    return lines
-
-
-def _twin_pairs(rows: list[dict]) -> Iterable[tuple[dict, dict]]:
-    """(twin, original) for each row with ``twin_of`` whose original is in the same cell and mode."""
-    for twin in rows:
-        label = twin.get("twin_of")
-        where = (twin.get("budget"), twin.get("link"), bool(twin.get("compile")))
-        original = next((r for r in rows if label and r.get("label") == label
-                         and (r.get("budget"), r.get("link"), bool(r.get("compile"))) == where), None)
-        if original is not None:
-            yield twin, original
-
-
-def _paired_runs(row: dict, base: dict) -> list[float]:
-    """``row``'s runs over ``base``'s, paired by repeat."""
-    a, b = base.get("decode_tokens_per_s") or {}, row.get("decode_tokens_per_s") or {}
-    return [y / x for x, y in zip(a.get("runs") or [], b.get("runs") or []) if x]
-
-
-def _median_ratio(row: dict, base: dict) -> float | None:
-    return _div((row.get("decode_tokens_per_s") or {}).get("median"), (base.get("decode_tokens_per_s") or {}).get("median"))
-
-
-def _twin_gaps(rows: list[dict]) -> dict[str, float]:
-    """Each twinned label's largest |twin / original - 1| over its twins (medians): its noise floor."""
-    gaps: dict[str, float] = {}
-    for twin, original in _twin_pairs(rows):
-        if (ratio := _median_ratio(twin, original)) is not None:
-            gaps[twin["twin_of"]] = max(gaps.get(twin["twin_of"], 0.0), abs(ratio - 1))
-    return gaps
-
-
-def _by_label(gaps: dict[str, float]) -> str:
-    return ", ".join(f"{label} {gap * 100:.1f}%" for label, gap in gaps.items())
-
-
-def compile_section(bench: dict) -> list[str]:
-    """One row per compiled row with an eager row of the same label, budget and link: both medians,
-    compiled / eager (medians and the range over runs paired by repeat), then how many rows are
-    at or above 1.00x and how many of the others lie within the A/A noise floor."""
-    rows = [r for r in bench.get("rows") or [] if not r.get("twin_of")]
-    out, ratios = [], []
-    for row in rows:
-        if not row.get("compile"):
-            continue
-        label = row.get("label") or row.get("engine")
-        eager = next((r for r in rows if not r.get("compile") and (r.get("label") or r.get("engine")) == label
-                      and (r.get("budget"), r.get("link")) == (row.get("budget"), row.get("link"))), None)
-        if eager is None:
-            continue
-        a, b = eager.get("decode_tokens_per_s") or {}, row.get("decode_tokens_per_s") or {}
-        ratio = _median_ratio(row, eager)
-        paired = _paired_runs(row, eager)
-        if ratio is not None:
-            ratios.append((label, ratio))
-        out.append((label or "?", _where(row, mode=False), _num(a.get("median"), 2),
-                    _num(b.get("median"), 2), "-" if ratio is None else f"{ratio:.3f}x",
-                    f"{min(paired):.3f}-{max(paired):.3f}x" if paired else "-"))
-    if not out:
-        return []
-    lines = _rows_table(("row", "cell", "eager tok/s", "compiled tok/s", "compiled / eager", "paired runs"), out)
-    below = [(label, r) for label, r in ratios if r < 1.0]
-    gaps = _twin_gaps(bench.get("rows") or [])
-    within = ""
-    if gaps:  # a row against its own twins' floor where it has twins, else the tightest one measured
-        inside = sum(1 for label, r in below if 1 - r <= gaps.get(label, min(gaps.values())))
-        floors = f"{max(gaps.values()) * 100:.1f}%" if len(gaps) == 1 else f"{_by_label(gaps)}; other rows the smallest"
-        within = f"; of those below, {inside} within the A/A noise floor ({floors})"
-    return lines + ["", f"Compiled at or above eager in {len(ratios) - len(below)} of {len(ratios)} rows{within}."]
-
-
-def twin_section(bench: dict) -> list[str]:
-    """One row per twin: its cell, the row it copies, both medians, twin / original (medians and
-    the range over paired runs), then the largest gap as a line: the run's noise floor."""
-    out = []
-    for twin, original in _twin_pairs(bench.get("rows") or []):
-        a, b = original.get("decode_tokens_per_s") or {}, twin.get("decode_tokens_per_s") or {}
-        paired = _paired_runs(twin, original)
-        out.append((twin["twin_of"], _where(twin), _num(a.get("median"), 2), _num(b.get("median"), 2),
-                    _ratio(_median_ratio(twin, original)), f"{min(paired):.2f}-{max(paired):.2f}x" if paired else "-",
-                    f"{_num(original.get('memory_read_gibps'), 1)} / {_num(twin.get('memory_read_gibps'), 1)}"))
-    if not out:
-        return []
-    lines = _rows_table(("row", "cell", "original tok/s", "twin tok/s", "twin / original", "paired runs",
-                         "memory read GiB/s (original / twin)"), out)
-    gaps = _twin_gaps(bench.get("rows") or [])
-    if gaps:
-        by_row = "" if len(gaps) == 1 else f" (by row: {_by_label(gaps)})"
-        lines += ["", f"Two identical engines landed up to {max(gaps.values()) * 100:.1f}% apart (medians) in this "
-                      f"run{by_row}: ratios closer than that are within its noise."]
     return lines
 
 
@@ -370,10 +244,10 @@ def disk_section(bench: dict) -> list[str]:
             and r["link_stats"].get("bytes_read") is not None]
     if not rows:
         return []
-    return _rows_table(("engine", "where", "read mode", "disk GB/s (while reading)", "GB read", "I/O wait share"), (
-        (row.get("label") or row.get("engine") or "?", _where(row), row["link_stats"].get("io") or "-",
-         _num(row["link_stats"].get("read_gbps"), 3), _num(_mul(row["link_stats"].get("bytes_read"), 1e-9), 2),
-         _share(row.get("io_wait_share")))
+    return fmt.rows_table(("engine", "where", "read mode", "disk GB/s (while reading)", "GB read", "I/O wait share"), (
+        (row.get("label") or row.get("engine") or "?", fmt.where(row), row["link_stats"].get("io") or "-",
+         fmt.num(row["link_stats"].get("read_gbps"), 3), fmt.num(fmt.mul(row["link_stats"].get("bytes_read"), 1e-9), 2),
+         fmt.share(row.get("io_wait_share")))
         for row in rows))
 
 
@@ -389,7 +263,7 @@ def markdown(bench: dict) -> str:
             cell = [r for r in cell_rows if r["budget"] == budget and r["link"] == link]
             if cell:
                 emulated = ((bench.get("links") or {}).get(link) or {}).get("emulated")
-                lines += ["", f"### budget {_pct(budget)} of experts, link `{link}`"
+                lines += ["", f"### budget {fmt.pct(budget)} of experts, link `{link}`"
                           + (" (EMULATED)" if emulated else ""), ""] + table(cell)
     if independent:
         lines += ["", "### budget-independent", ""] + table(independent, independent=True)
