@@ -20,18 +20,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
 import torch
 
+from specter.bench.memory_rate import read_rate
 from specter.memory import huge_pages
-
-
-def read_rate(buffer: torch.Tensor) -> float:
-    """GiB/s of one whole read of ``buffer`` on this thread."""
-    started = time.perf_counter()
-    buffer.sum()
-    return buffer.nbytes / 2**30 / (time.perf_counter() - started)
 
 
 def round_robin_rates(buffers: list[torch.Tensor], repeats: int) -> list[list[float]]:
@@ -39,7 +31,7 @@ def round_robin_rates(buffers: list[torch.Tensor], repeats: int) -> list[list[fl
     rates: list[list[float]] = [[] for _ in buffers]
     for _ in range(repeats):
         for index, buffer in enumerate(buffers):
-            rates[index].append(read_rate(buffer))
+            rates[index].append(read_rate([buffer]))
     return rates
 
 

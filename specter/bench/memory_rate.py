@@ -1,6 +1,8 @@
 """How fast one thread reads the memory an engine's decoding reads most: a bench diagnostic.
 
-Contract: ``engine_read_rate(engine, repeats=3) -> float | None``: GiB/s, the median over
+Contract: ``read_rate(buffers) -> float``: GiB/s of one whole streaming read (``Tensor.sum``) of
+the buffers, in turn, on this thread. ``engine_read_rate(engine, repeats=3) -> float | None``:
+GiB/s, the median over
 ``repeats`` of one whole streaming read (``Tensor.sum``) of an offloaded engine's cache slots
 (``engine.cache.slots``: what verification reads), else of the model's parameters of at least 2 MiB
 (a ``resident`` engine's experts and LM head; all of them in a model without such); None where
@@ -27,18 +29,16 @@ import torch
 LARGE_BYTES = 2 << 20
 
 
+def read_rate(buffers: list[torch.Tensor]) -> float:
+    started = time.perf_counter()
+    for buffer in buffers:
+        buffer.sum()
+    return sum(buffer.nbytes for buffer in buffers) / 2**30 / (time.perf_counter() - started)
+
+
 def engine_read_rate(engine, repeats: int = 3) -> float | None:
     buffers = _read_most(engine)
-    if not buffers:
-        return None
-    total = sum(buffer.nbytes for buffer in buffers)
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for buffer in buffers:
-            buffer.sum()
-        rates.append(total / 2**30 / (time.perf_counter() - started))
-    return statistics.median(rates)
+    return statistics.median(read_rate(buffers) for _ in range(repeats)) if buffers else None
 
 
 def _read_most(engine) -> list[torch.Tensor]:

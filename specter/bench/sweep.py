@@ -163,7 +163,9 @@ class Sweep:
                 self.progress.step()
                 self.progress.log(f"[{_cell_name(budget, link, compile)} #{repeat + 1}] {label}: {rate:.2f} tok/s")
         for (label, compile), engine in engines.items():  # after the timed runs: where each one's memory landed
-            self.read_rates[scopes.get((label, compile), (label, budget, link, compile))] = engine_read_rate(engine)
+            key = scopes.get((label, compile), (label, budget, link, compile))
+            if key not in self.read_rates:  # an engine scoped over cells (resident) is read once
+                self.read_rates[key] = engine_read_rate(engine)
 
     def run(self) -> None:
         """Both compile modes' engines of a (budget, link) take turns in one cell run, so a compiled
