@@ -221,7 +221,7 @@ class PromptWaits:
 
     def add(self, width: int, seconds: float, round_index: int, place: int) -> None:
         self.all.add(width, seconds, round_index)
-        self.by_place[min(place, PROMPT_POOLS - 1)].add(width, seconds, round_index)
+        self._place(place).add(width, seconds, round_index)
 
     def value(self, now: int, changed_at: int, place: int, width: int | None = None,
               distinct: Callable[[int], float] | None = None) -> float | None:
@@ -232,10 +232,13 @@ class PromptWaits:
 
     def _pool(self, place: int) -> WaitPerToken:
         """The place's own pool once it holds ``OWN_PLACE_ROUNDS`` rounds, else every round's."""
-        return self.by_place[min(place, PROMPT_POOLS - 1)] if self._own(place) else self.all
+        return self._place(place) if self._own(place) else self.all
+
+    def _place(self, place: int) -> WaitPerToken:
+        return self.by_place[min(place, PROMPT_POOLS - 1)]
 
     def _own(self, place: int) -> bool:
-        return len(self.by_place[min(place, PROMPT_POOLS - 1)].samples) >= OWN_PLACE_ROUNDS
+        return len(self._place(place).samples) >= OWN_PLACE_ROUNDS
 
     def priced_apart(self, place: int) -> bool:
         """Whether a round at ``place`` is priced from waits of its own place: its pool holds
