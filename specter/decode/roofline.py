@@ -59,7 +59,7 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   among those predicted within ``FAR_PROBE_RANGE`` of the best rate, k = 0 first when its own
   average is older than ``STALE_HALF_LIFE`` rounds), so that it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
-  most 8 x ``probe_every``; ``OFF_PROBE_BACKOFF`` x while speculation is off), back to
+  most 8 x ``probe_every``; 4 x while speculation is off: ``roofline_probe.ProbeSchedule``), back to
   ``probe_every`` when the choice changes, and two rounds
   after a probe whose first draft token was accepted (or rejected) against the odds, a probe
   that kept every draft while speculation is off (it also makes the acceptance estimate restart
@@ -97,13 +97,11 @@ from specter.decode.acceptance_estimate import AcceptanceEstimate
 from specter.decode.governor import MAX_K, Governor
 from specter.decode.roofline_cost import STALE_HALF_LIFE, PlainRound, PromptWaits, VerifyCost
 from specter.decode.roofline_fit import Ema, distinct_experts
-from specter.decode.roofline_probe import calibration_rounds, probe_k
+from specter.decode.roofline_probe import ProbeSchedule, calibration_rounds, probe_k
 from specter.decode.roofline_watch import CHANGE, HOLD, LOOK, NOISE, RoundWatch, prediction_by_k
 
 log = logging.getLogger("specter.governor")
 SURPRISE = 0.5  # a probe whose first draft token defies p_1 by more than this is followed up at once
-MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
-OFF_PROBE_BACKOFF = 4  # ... up to 4 x while off: one unlucky probe must not leave a good draft unused for 8 x
 HOLD_MARGIN = 0.03  # another k must be predicted this much faster (relative) to replace the current choice
 SWITCH_MARGIN = 0.03  # ... where one of the two is k = 0 (speculation switched on or off)
 FRONTIER_STEP = 2  # k may go at most this far beyond the widest k measured, or to twice it
@@ -123,7 +121,7 @@ class RooflineGovernor(Governor):
         if not 1 <= k_max <= MAX_K or not 0 <= k <= k_max:
             raise ValueError(f"roofline governor: need 0 <= k <= k_max <= {MAX_K}, got k={k}, k_max={k_max}")
         self.k_max, self.k0 = k_max, k
-        self.weight, self.probe_every, self.max_latency_ms, self.draft_ratio = ema, probe_every, max_latency_ms, draft_ratio
+        self.weight, self.max_latency_ms, self.draft_ratio = ema, max_latency_ms, draft_ratio
         self.acceptance = AcceptanceEstimate(k_max, prior_acceptance)
         self.draft_step = Ema(ema)
         self.extra_steps = 1  # draft steps per round beyond k (the engine's routing-only step)
@@ -145,7 +143,7 @@ class RooflineGovernor(Governor):
         self._report_from = 0  # the first round of the current report (new_report)
         self._speculating: bool | None = None
         self._calibration = calibration_rounds(k, k_max, self.always_streams())
-        self._interval, self._next_probe, self._probes, self._last_best = probe_every, probe_every, 0, None
+        self.probes = ProbeSchedule(probe_every)  # when to look around (``roofline_probe``)
 
     # ----- the model --------------------------------------------------------------------------
 
@@ -225,7 +223,7 @@ class RooflineGovernor(Governor):
                 continue
             if rate > best_rate:
                 best, best_rate = row["k"], rate
-        held = self._last_best
+        held = self.probes.last_best
         if best is not None and held is not None and held != best:  # held <= frontier: it never narrows
             rate = rows[held]["predicted_tokens_per_s"]
             latency_ok = self.max_latency_ms is None or 1e3 / rate <= self.max_latency_ms
@@ -243,13 +241,7 @@ class RooflineGovernor(Governor):
         else:
             best = self.best_k()
             k = self.k0 if best is None else best
-            if best != self._last_best:  # conditions moved: look around more often again
-                self._interval, self._last_best = self.probe_every, best
-            if self.rounds >= self._next_probe:
-                self._next_probe = self.rounds + self._interval
-                backoff = OFF_PROBE_BACKOFF if best == 0 else MAX_PROBE_BACKOFF
-                self._interval = min(self._interval * 2, backoff * self.probe_every)
-                self._probes += 1
+            if self.probes.due(self.rounds, best):
                 k = self._probe_k(k)
                 probe = True
                 if k == 0:
@@ -265,7 +257,7 @@ class RooflineGovernor(Governor):
     def _probe_k(self, k: int) -> int:
         """The k to try instead of ``k`` (``roofline_probe.probe_k``: a neighbour, or every third
         probe the width measured least recently among those predicted near the best rate)."""
-        turn = self._probes % 3
+        turn = self.probes.count % 3
         rates = [row["predicted_tokens_per_s"] for row in self.table()] if turn == 0 else []
         return probe_k(k, turn, rates, self.frontier(), self.k_max, self.verify_round, self.rounds)
 
@@ -288,7 +280,7 @@ class RooflineGovernor(Governor):
         if self.history and self.history[-1]["probe"] and drafted and not self._calibration:
             kept_all_while_off = self._speculating is False and accepted == drafted
             if kept_all_while_off or abs(min(accepted, 1) - self.position_acceptance(1)) > SURPRISE:
-                self._interval, self._next_probe = self.probe_every, self.rounds + 2  # look again soon
+                self.probes.soon(self.rounds)  # look again soon
         # a probe keeping every draft while speculation is off restarts the estimate; a lone surprise is left to its shift watch
         self.acceptance.observe(drafted, accepted, kept_all_while_off)
         after_draft, self._previous_drafted = self._previous_drafted, drafted
@@ -306,7 +298,7 @@ class RooflineGovernor(Governor):
             self._learn(*held)
         self._learn(*sample)
         if verdict in (LOOK, CHANGE):  # the estimates are off: look around soon
-            self._interval, self._next_probe = self.probe_every, min(self._next_probe, self.rounds + 2)
+            self.probes.soon(self.rounds, later=False)
         if verdict == CHANGE and not self._calibration:
             neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
             self._calibration = [c for c in neighbours if c != drafted]
@@ -382,7 +374,7 @@ class RooflineGovernor(Governor):
         change (every width measured so far stands on the fit through those measured from now on,
         and is replaced by its next sample), and the first rounds calibrate again."""
         self.watch.drop_held()
-        self._interval, self._next_probe = self.probe_every, self.rounds + self.probe_every
+        self.probes.restart(self.rounds)
         self.plain.restart()
         self.plain_compute.restart()
         if self.wait.samples:

@@ -1,6 +1,6 @@
 """The roofline governor's exploration: which k its first rounds visit and which k a probe tries.
 
-Contract (pure functions; ``specter.decode.roofline`` holds the state they read):
+Contract (pure functions but ``ProbeSchedule``; ``specter.decode.roofline`` holds the state they read):
 - ``calibration_rounds(k0, k_max, widest=False)``: the k of the first rounds (and of those after
   ``link_changed()``): k0, then a plain round twice (the first, right after a drafted round, finds
   the draft's prefetches in the cache; with no plain round measured yet it is measured too, a warm
@@ -17,6 +17,13 @@ Contract (pure functions; ``specter.decode.roofline`` holds the state they read)
   ``STALE_HALF_LIFE`` rounds at round ``rounds`` (its own average cannot follow the fit through the
   drafted widths). So widths far from the current choice are measured now and then rather than
   extrapolated.
+- ``ProbeSchedule(every)``: when the governor probes. ``due(now, best)``: whether round ``now``
+  probes instead of the chosen ``best`` (None: none yet): after ``every`` rounds, then twice as
+  long each time while ``best`` stays the same (at most ``MAX_PROBE_BACKOFF`` x ``every``;
+  ``OFF_PROBE_BACKOFF`` x while it is 0, speculation off: one unlucky probe must not leave a good
+  draft unused for 8 x), back to ``every`` when it changes; ``count`` probes so far, ``last_best``
+  the choice it last saw. ``soon(now)``: the next probe two rounds on; ``soon(now, later=False)``:
+  no later than that; ``restart(now)``: ``every`` rounds on, as at the start.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from typing import Mapping, Sequence
 
 from specter.decode.roofline_cost import STALE_HALF_LIFE
 
+MAX_PROBE_BACKOFF = 8  # probes grow sparser (x2 each) while the best k stays put, up to 8 x probe_every
+OFF_PROBE_BACKOFF = 4  # ... up to 4 x while off: one unlucky probe must not leave a good draft unused for 8 x
 FAR_PROBE_RANGE = 0.8  # far probes only try a k predicted within this fraction of the best rate
 OFF_PROBE_RANGE = 0.6  # ... while speculation is off (a draft that got good again must be tried)
 
@@ -47,3 +56,27 @@ def probe_k(k: int, turn: int, rates: Sequence[float | None], frontier: int, k_m
     if k == 0:
         return min(2, k_max)
     return max(0, min(frontier, k + (1 if turn == 1 else -1)))
+
+
+class ProbeSchedule:
+    def __init__(self, every: int) -> None:
+        self.every, self.interval, self.next, self.count = every, every, every, 0
+        self.last_best: int | None = None
+
+    def due(self, now: int, best: int | None) -> bool:
+        if best != self.last_best:  # conditions moved: look around more often again
+            self.interval, self.last_best = self.every, best
+        if now < self.next:
+            return False
+        self.next = now + self.interval
+        backoff = OFF_PROBE_BACKOFF if best == 0 else MAX_PROBE_BACKOFF
+        self.interval = min(self.interval * 2, backoff * self.every)
+        self.count += 1
+        return True
+
+    def soon(self, now: int, later: bool = True) -> None:
+        self.interval, self.next = self.every, (now + 2 if later else min(self.next, now + 2))
+
+    def restart(self, now: int) -> None:
+        self.interval, self.next = self.every, now + self.every
+

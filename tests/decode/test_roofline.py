@@ -172,7 +172,7 @@ def test_a_near_tie_keeps_the_current_choice_instead_of_flapping():
     from specter.decode.roofline import HOLD_MARGIN
 
     governor = RooflineGovernor(k=2)
-    governor._last_best = 2
+    governor.probes.last_best = 2
     rates = {2: 100.0, 3: 100.0 * (1 + HOLD_MARGIN / 2), 4: 90.0}
     governor.table = lambda: [{"k": k, "predicted_tokens_per_s": rates.get(k, 50.0)} for k in range(9)]
     assert governor.best_k() == 2  # k = 3 is faster, but within the hold margin
@@ -198,12 +198,12 @@ def test_a_round_cut_short_at_the_end_of_a_prompt_is_neither_a_probe_nor_a_surpr
     while governor.next_k() == 0:
         accepted, timings = machine.round(0)
         governor.observe(drafted=0, accepted=accepted, **timings)
-    probes_before, next_probe = governor.summary()["probes"], governor._next_probe
+    probes_before, next_probe = governor.summary()["probes"], governor.probes.next
     accepted, timings = machine.round(0)  # the engine had one token left: nothing drafted, a short round
     governor.observe(drafted=0, accepted=accepted, **timings)
     summary = governor.summary()
     assert summary["cut_rounds"] == 1 and summary["probes"] == probes_before
-    assert governor._next_probe == next_probe  # a short round's time is no reason to look around
+    assert governor.probes.next == next_probe  # a short round's time is no reason to look around
 
 
 def test_estimates_made_on_a_slower_link_do_not_keep_wide_rounds_from_being_chosen_on_a_faster_one():
@@ -292,7 +292,7 @@ def test_a_round_off_its_prediction_by_the_usual_spread_is_noise_not_a_reason_to
     timings["verify_s"] += slower
     timings["round_s"] += slower
     governor.observe(drafted=k, accepted=accepted, **timings)
-    assert (governor._next_probe <= governor.rounds + 2) == looks_around
+    assert (governor.probes.next <= governor.rounds + 2) == looks_around
 
 
 class SwitchingMachine(Machine):

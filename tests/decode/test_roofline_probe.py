@@ -4,7 +4,7 @@ tries (neighbours in turn, every third probe the width measured least recently n
 from __future__ import annotations
 
 from specter.decode.roofline_cost import STALE_HALF_LIFE
-from specter.decode.roofline_probe import calibration_rounds, probe_k
+from specter.decode.roofline_probe import ProbeSchedule, calibration_rounds, probe_k
 
 RATES = [100.0, 120.0, 150.0, 160.0, 158.0, 140.0, 90.0, 70.0, 60.0]  # predicted tokens/s for k = 0..8
 
@@ -57,3 +57,22 @@ def test_a_stale_plain_round_is_refreshed_first_and_speculation_off_widens_the_r
     measured[2] = 0
     assert probe_k(0, 0, off, frontier=8, k_max=8, measured_at=measured, rounds=rounds) == 1
     assert probe_k(3, 0, off, frontier=8, k_max=8, measured_at=measured, rounds=rounds) == 0  # 0.8 x 160: only k = 0
+
+
+def test_probes_back_off_while_the_choice_stays_and_less_while_speculation_is_off():
+    def gaps(best: int, rounds: int = 300) -> list[int]:
+        schedule, due = ProbeSchedule(8), []
+        for now in range(rounds):
+            if schedule.due(now, best):
+                due.append(now)
+        return [b - a for a, b in zip(due, due[1:])]
+
+    assert gaps(best=6)[:5] == [8, 16, 32, 64, 64]  # doubling, at most 8 x every
+    assert gaps(best=0)[:4] == [8, 16, 32, 32]  # speculation off: at most 4 x every
+    schedule = ProbeSchedule(8)
+    # a new choice at round 20: the probe already due at 32 stays, and the next comes 8 after it (not 32)
+    assert [now for now in range(45) if schedule.due(now, 6 if now < 20 else 7)] == [8, 16, 32, 40]
+    schedule.soon(45)
+    assert schedule.next == 47 and schedule.interval == 8
+    schedule.soon(50, later=False)
+    assert schedule.next == 47
