@@ -17,6 +17,8 @@ docs/benchmarks.md and read by ``specter.bench.tables`` and ``specter.bench.plot
   ``resident`` engine's, its median's ratio to each baseline's median in the same cell, and how
   fast one thread read its cache slots (or its large weights) after the cell's runs
   (``memory_read_gibps``, ``specter.bench.memory_rate``).
+- The document's ``page_placement``: what settling the engines' large buffers did over the run
+  (``specter.memory.page_placement.stats``: pieces probed, slow, swapped, bytes held apart).
 - Labels: ``specter k=K`` (fixed k), ``specter <governor>``; ``ondemand`` has the cache of the
   ``specter`` engine (same cache size); ``ondemand@same-memory`` has that cache plus the bytes of
   ``specter``'s INT4 draft (same total device memory); ``<label> (twin)``: a second engine built
@@ -37,6 +39,7 @@ import torch
 
 from specter.bench.memory_rate import engine_read_rate
 from specter.bench.spec import SAME_MEMORY, TWIN_SUFFIX, BenchSpec
+from specter.memory import page_placement
 
 SCHEMA = "specter.bench/2"
 BASELINES = ("ondemand", SAME_MEMORY, "router-lookahead", "resident", "hf-offload")
@@ -258,7 +261,8 @@ class Sweep:
             "schema": SCHEMA, "title": self.spec.title, "command": command, "model": any_report["model"],
             "machine": machine(), "threads": self.spec.recipe.threads, "dtype": self.spec.recipe.dtype,
             "prompts": len(self.prompts), "max_new_tokens": self.spec.recipe.max_new_tokens,
-            "repeats": self.spec.repeats, "wall_s": wall_s, "peak_rss_bytes": _peak_rss_bytes(), "links": links,
+            "repeats": self.spec.repeats, "wall_s": wall_s, "peak_rss_bytes": _peak_rss_bytes(),
+            "page_placement": page_placement.stats(), "links": links,
             "budgets": list(self.spec.budgets),
             "bench_recipe": self.spec.as_dict(), "rows": self.rows(),
         }

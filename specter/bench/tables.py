@@ -1,9 +1,9 @@
 """Markdown rendering of a ``specter.bench/2`` JSON document.
 
 Contract: ``markdown(bench)`` returns GitHub-flavoured markdown, with no I/O: a header paragraph
-(title, model, machine, threads, prompts x new tokens, repeats, wall time and peak memory,
-command), one line per link (an emulated link is marked EMULATED), then one table per (budget,
-link) cell, budgets in the order of ``bench["budgets"]`` and links in the order of
+(title, model, machine, threads, prompts x new tokens, repeats, wall time and peak memory, the
+slow 8 MiB pieces of memory found and swapped where any buffer was settled, command), one line
+per link (an emulated link is marked EMULATED), then one table per (budget, link) cell, budgets in the order of ``bench["budgets"]`` and links in the order of
 ``bench["links"]``, and a last table for the budget-independent rows (those whose budget or link
 is null: resident, hf-offload). Each JSON row is exactly one table row, in JSON order within its
 table. Any metric may be null or absent and renders as ``-``; ratios render as ``1.80x``, rates
@@ -115,6 +115,14 @@ def link_line(name: str, link: dict | None) -> str:
     return text + (" - **EMULATED** (paced in software, not measured hardware)" if link.get("emulated") else "")
 
 
+def _placement_text(placement: dict | None) -> str:
+    """``, slow memory: S of P 8 MiB pieces swapped`` where the run settled any buffer's pages."""
+    if not isinstance(placement, dict) or not placement.get("pieces"):
+        return ""
+    return (f", slow memory: {placement.get('slow', 0)} of {placement['pieces']} 8 MiB pieces found, "
+            f"{placement.get('swapped', 0)} swapped")
+
+
 def header(bench: dict) -> list[str]:
     model, machine = bench.get("model") or {}, bench.get("machine") or {}
     expert_bytes = model.get("expert_bytes")
@@ -128,7 +136,8 @@ def header(bench: dict) -> list[str]:
     workload = (f"{bench.get('prompts', '?')} prompts x {bench.get('max_new_tokens', '?')} new tokens, "
                 f"{bench.get('repeats', '?')} repeats (median over repeats)"
                 + (f", wall {wall:.1f} s" if wall is not None else "")
-                + (f", peak memory {bench['peak_rss_bytes'] / 2**30:.1f} GiB" if bench.get("peak_rss_bytes") else ""))
+                + (f", peak memory {bench['peak_rss_bytes'] / 2**30:.1f} GiB" if bench.get("peak_rss_bytes") else "")
+                + _placement_text(bench.get("page_placement")))
     lines = [
         f"## {bench.get('title') or 'bench'}",
         "",

@@ -8,9 +8,11 @@ Contract:
   is advised ``MADV_HUGEPAGE`` before it is first written, so the kernel backs it with 2 MiB pages
   (with ``madvise`` defragmentation it may compact memory to find them); the zero fill faults
   every page in here, not in a timed step later. The tensor keeps its mapping (up to 2 MiB
-  larger) alive. Otherwise ``torch.zeros``. ``is_huge(tensor)``: whether its storage came from
+  larger) alive; pieces of it that read slower than the rest are swapped for fresh memory
+  (``specter.memory.page_placement``; ``SPECTER_SETTLE_PAGES=0`` turns that off). Otherwise
+  ``torch.zeros``. ``is_huge(tensor)``: whether its storage came from
   ``zeros``' mappings.
-- ``rehome(tensor) -> Tensor``: the tensor's values in ``zeros``' memory; the tensor itself when
+- ``rehome(tensor) -> Tensor``: the tensor's values in ``zeros``' memory (settled the same way); the tensor itself when
   it is not a contiguous CPU tensor of at least ``MIN_BYTES``, already there, or not supported.
 - ``rehome_module(module) -> int``: every parameter of the module that ``rehome`` would move gets
   its ``.data`` swapped for the copy (a tied parameter is one object: it stays tied); the bytes
@@ -31,6 +33,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from specter.memory import page_placement
 
 HUGE_PAGE = 2 << 20
 MIN_BYTES = HUGE_PAGE  # smaller tensors span at most a page or two: nothing to gain
@@ -55,7 +59,14 @@ def supported() -> bool:
 
 def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
     mapped = _mapped(shape, dtype)
-    return torch.zeros(shape, dtype=dtype) if mapped is None else mapped.zero_()
+    return torch.zeros(shape, dtype=dtype) if mapped is None else _settled(mapped.zero_())
+
+
+def _settled(tensor: Tensor) -> Tensor:
+    """``tensor`` (written, on a fresh mapping) with its slow pieces swapped (``page_placement``)."""
+    if page_placement.enabled():
+        page_placement.settle(tensor)
+    return tensor
 
 
 def _mapped(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor | None:
@@ -83,7 +94,7 @@ def rehome(tensor: Tensor) -> Tensor:
         return tensor
     home = _mapped(tensor.shape, tensor.dtype)
     assert home is not None
-    return home.copy_(tensor)
+    return _settled(home.copy_(tensor))
 
 
 def rehome_module(module: nn.Module) -> int:

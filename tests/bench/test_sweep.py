@@ -89,6 +89,7 @@ def test_links_are_labelled_and_the_document_is_json(document):
     assert document["links"]["slow"]["emulated"] is True and document["links"]["fast"]["emulated"] is False
     assert document["threads"] == 1 and document["machine"]["cores"] >= 1
     assert document["peak_rss_bytes"] > 100 * 2**20  # this process's peak, a model and its engines in it
+    assert document["page_placement"]["pieces"] >= 0 and "swapped" in document["page_placement"]
     json.dumps(document)
 
 

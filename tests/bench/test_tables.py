@@ -49,6 +49,12 @@ def test_header_states_workload_and_emulated_links(bench):
     assert "0.5 GB/s" in link_lines[0] and "5 GB/s" in link_lines[1]
 
 
+def test_header_counts_the_slow_memory_the_run_swapped_only_where_it_settled_any(bench):
+    assert "slow memory" not in markdown(bench)
+    bench["page_placement"] = {"regions": 40, "pieces": 1200, "slow": 31, "swapped": 29, "quarantined_bytes": 0}
+    assert "peak memory 6.0 GiB, slow memory: 31 of 1200 8 MiB pieces found, 29 swapped." in markdown(bench)
+
+
 def test_real_link_is_not_called_emulated(bench):
     bench["links"]["fast"] = {"kind": "cuda", "gbps": None, "latency_us": None, "emulated": False}
     lines = markdown(bench).splitlines()

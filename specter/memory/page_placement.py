@@ -1,0 +1,234 @@
+"""Swap the slow pieces of a large huge-page buffer for fresh memory that reads at the usual rate.
+
+Why: on this project's VM (a 2-core Xeon guest that sees one memory node) some pages read 15-20%
+slower than the rest, page for page, for as long as they are held: in one run 180 of 1536 8 MiB
+pieces read 9.5 GiB/s in every pass against 11.5 for the rest, and moving fresh pages to their
+addresses brought each to 10.6-13.5 while the pages moved out stayed slow (design notes, stop 58).
+An engine whose cache slots landed there decoded up to 18% slower than its identical twin (stop
+57). A guest cannot ask where the host put its memory, but it can time it.
+
+Contract:
+- ``enabled() -> bool``: Linux with ``mremap`` (ctypes), and the environment variable
+  ``SPECTER_SETTLE_PAGES`` is not ``0`` (read at every call: A/B runs flip it in one process).
+- ``settle(region) -> Settled``: ``region`` is a contiguous CPU tensor of at least ``MIN_BYTES``
+  starting on a 2 MiB boundary of a private anonymous mapping, its pages written (faulted in). Each
+  whole ``PIECE_BYTES`` piece is read (``int32`` max: a streaming read on one core) ``PASSES`` times
+  in turn, with a read of a process-wide ``EVICT_BELOW`` buffer between passes where the pieces
+  would fit the last-level cache. The typical rate is the median of the regions' median piece
+  rates settled so far in this process, this one included (a region lying wholly on slow pages is
+  caught too). A piece that reads below ``SLOW_RATIO`` x typical in every pass is replaced: fresh
+  memory on 2 MiB pages, timed beside ``CALIBRATION`` of the region's pieces (its rate put on the
+  region's scale) and reading at least ``SLOW_RATIO`` x typical (up to ``TRIES`` draws; slow
+  draws are held like slow pieces), receives the piece's bytes and is moved to the piece's address
+  (``mremap``); the slow pages are held in a process-wide quarantine (up to
+  ``QUARANTINE_MAX_BYTES``), so the kernel does not hand them to the next buffer, else freed. The
+  region's values never change.
+- ``stats() -> dict``: process totals (regions, pieces probed, slow, swapped, quarantined bytes);
+  ``release()`` frees the quarantine.
+- Settling a region takes about ``PASSES`` reads of it (about 0.1 s for 256 MiB here), plus
+  eviction reads for small regions and the draws for slow pieces.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import Tensor
+
+PIECE_BYTES = 8 << 20  # four 2 MiB pages: the grain at which slow memory showed (stop 57)
+MIN_BYTES = 4 * PIECE_BYTES  # smaller buffers (the bundled model's) sit largely in the LLC
+PASSES = 5
+SLOW_RATIO = 0.88  # slow pieces read 0.80-0.86x the rest; pieces of one buffer spread +-8%
+TRIES = 3
+CALIBRATION = 3  # pieces of the region read again beside the draws for a slow one
+EVICT_BELOW = 128 << 20  # pieces of a smaller region come back from the LLC on a second pass
+QUARANTINE_MAX_BYTES = 1 << 30
+HUGE_PAGE = 2 << 20
+_HISTORY = 64
+
+_PROT_NONE, _PROT_RW = 0, 3
+_MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_HUGEPAGE = 14
+_MREMAP_MAYMOVE_FIXED = 1 | 2
+
+
+@dataclasses.dataclass
+class Settled:
+    """What ``settle`` did to one region."""
+
+    pieces: int = 0
+    slow: int = 0
+    swapped: int = 0
+    rate_gibps: float | None = None  # the region's median piece rate before swapping
+    typical_gibps: float | None = None  # the median region rate of this process so far
+    seconds: float = 0.0
+
+
+_totals = {"regions": 0, "pieces": 0, "slow": 0, "swapped": 0, "quarantined_bytes": 0, "seconds": 0.0}
+_region_rates: list[float] = []
+_quarantine: list["_Range"] = []  # held slow pages
+_libc: ctypes.CDLL | None = None
+_evict: Tensor | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mremap.restype = ctypes.c_void_p
+        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        _libc = libc
+    return _libc
+
+
+def enabled() -> bool:
+    if os.environ.get("SPECTER_SETTLE_PAGES", "") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        return hasattr(_lib(), "mremap")
+    except OSError:
+        return False
+
+
+def stats() -> dict:
+    return dict(_totals)
+
+
+def release() -> None:
+    """Free the quarantined pages (tests; a process keeps them for its life)."""
+    while _quarantine:
+        _quarantine.pop().unmap()
+    _totals["quarantined_bytes"] = 0
+
+
+class _Range:
+    """An anonymous mapping made here, aligned inside to 2 MiB: ``address`` .. ``address + length``."""
+
+    def __init__(self, length: int, writable: bool) -> None:
+        libc = _lib()
+        self.length = length
+        self._base_length = length + HUGE_PAGE
+        base = libc.mmap(None, self._base_length, _PROT_RW if writable else _PROT_NONE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
+        if base in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), "mmap failed")
+        self._base = base
+        self.address = base + (-base % HUGE_PAGE)
+        if writable:
+            libc.madvise(self.address, length, _MADV_HUGEPAGE)
+
+    def tensor(self) -> Tensor:
+        return torch.frombuffer((ctypes.c_char * self.length).from_address(self.address), dtype=torch.uint8)
+
+    def unmap(self) -> None:
+        _lib().munmap(self._base, self._base_length)
+
+
+def _move(source: int, length: int, destination: int) -> None:
+    moved = _lib().mremap(source, length, length, _MREMAP_MAYMOVE_FIXED, destination)
+    if moved != destination:
+        raise OSError(ctypes.get_errno(), "mremap failed")
+
+
+def _read_rates(pieces: list[Tensor]) -> list[list[float]]:
+    """Each piece's read rate (GiB/s) in each of ``PASSES`` passes, the pieces read in turn."""
+    evict = _evict_buffer() if len(pieces) * PIECE_BYTES < EVICT_BELOW else None
+    words = [piece.view(torch.int32) for piece in pieces]
+    rates: list[list[float]] = [[] for _ in pieces]
+    for _ in range(PASSES):
+        if evict is not None:
+            evict.max()
+        for index, word in enumerate(words):
+            started = time.perf_counter()
+            word.max()
+            rates[index].append(PIECE_BYTES / 2**30 / (time.perf_counter() - started))
+    return rates
+
+
+def _evict_buffer() -> Tensor:
+    """``EVICT_BELOW`` bytes, written once per process: read between passes over a few pieces."""
+    global _evict
+    if _evict is None:
+        _evict = torch.ones(EVICT_BELOW // 4, dtype=torch.int32)
+    return _evict
+
+
+def settle(region: Tensor) -> Settled:
+    started = time.perf_counter()
+    data = region.reshape(-1).view(torch.uint8)
+    count = data.numel() // PIECE_BYTES
+    if count * PIECE_BYTES < MIN_BYTES or data.data_ptr() % HUGE_PAGE:
+        return Settled()
+    pieces = [data[i * PIECE_BYTES:(i + 1) * PIECE_BYTES] for i in range(count)]
+    passes = _read_rates(pieces)
+    rates = [statistics.median(r) for r in passes]
+    region_rate = statistics.median(rates)
+    _region_rates.append(region_rate)
+    del _region_rates[:-_HISTORY]
+    typical = statistics.median(_region_rates)
+    slow = [i for i, r in enumerate(passes) if max(r) < SLOW_RATIO * typical]
+    calibration = sorted((i for i in range(count) if i not in slow), key=lambda i: abs(rates[i] - region_rate))
+    swapped = _replace([pieces[i] for i in slow], [(pieces[i], rates[i]) for i in calibration[:CALIBRATION]],
+                       SLOW_RATIO * typical) if slow else 0
+    result = Settled(count, len(slow), swapped, region_rate, typical, time.perf_counter() - started)
+    for key, value in (("regions", 1), ("pieces", count), ("slow", len(slow)), ("swapped", swapped),
+                       ("seconds", result.seconds)):
+        _totals[key] += value
+    return result
+
+
+def _replace(slow: list[Tensor], calibration: list[tuple[Tensor, float]], floor: float) -> int:
+    """Move fresh memory reading at least ``floor`` under each slow piece (its bytes copied first);
+    how many were moved. A few pieces are read again beside the draws (``calibration``: piece,
+    rate in the region's passes) to put the draws' rates on the region's scale: a few pieces read
+    between eviction reads come out a little slower than pieces read in a long run."""
+    waiting, swapped, rejected = list(slow), 0, []
+    for _ in range(TRIES):
+        if not waiting:
+            break
+        fresh = [_Range(PIECE_BYTES, writable=True) for _ in waiting]
+        for candidate in fresh:
+            candidate.tensor().zero_()  # fault the pages in (untouched memory reads the zero page)
+        passes = _read_rates([candidate.tensor() for candidate in fresh] + [piece for piece, _ in calibration])
+        rates = [statistics.median(r) for r in passes]
+        again = rates[len(fresh):]
+        scale = statistics.median(rate for _, rate in calibration) / statistics.median(again) if again else 1.0
+        still = []
+        for piece, candidate, rate in zip(waiting, fresh, rates):
+            if rate * scale >= floor:
+                candidate.tensor().copy_(piece)
+                _hold(piece.data_ptr())
+                _move(candidate.address, PIECE_BYTES, piece.data_ptr())
+                candidate.unmap()  # only its alignment slack is left there
+                swapped += 1
+            else:
+                rejected.append(candidate)
+                still.append(piece)
+        waiting = still
+    for candidate in rejected:  # slow too: held like the pieces they did not replace, while there is room
+        if _totals["quarantined_bytes"] + PIECE_BYTES > QUARANTINE_MAX_BYTES:
+            candidate.unmap()
+        else:
+            _quarantine.append(candidate)
+            _totals["quarantined_bytes"] += PIECE_BYTES
+    return swapped
+
+
+def _hold(address: int) -> None:
+    """Move the slow pages at ``address`` into the quarantine, or let them go when it is full."""
+    if _totals["quarantined_bytes"] + PIECE_BYTES > QUARANTINE_MAX_BYTES:
+        return  # the move onto this address frees them
+    keep = _Range(PIECE_BYTES, writable=False)
+    _move(address, PIECE_BYTES, keep.address)
+    _quarantine.append(keep)
+    _totals["quarantined_bytes"] += PIECE_BYTES
