@@ -75,7 +75,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--slow", type=float, default=0.9)
-    parser.add_argument("--no-settle", action="store_true", help="skip settling the buffers (page_placement) at the end")
+    parser.add_argument("--no-settle", action="store_true",
+                        help="skip settling the buffers (page_placement) at the end")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{args.buffers} buffers of {args.mib} MiB, {'huge pages' if huge_pages.supported() else '4 KiB pages'}, "

@@ -10,10 +10,10 @@ Contract:
   every page in here, not in a timed step later. The tensor keeps its mapping (up to 2 MiB
   larger) alive; pieces of it that read slower than the rest are swapped for fresh memory
   (``specter.memory.page_placement``; ``SPECTER_SETTLE_PAGES=0`` turns that off). Otherwise
-  ``torch.zeros``. ``is_huge(tensor)``: whether its storage came from
-  ``zeros``' mappings.
-- ``rehome(tensor) -> Tensor``: the tensor's values in ``zeros``' memory (settled the same way); the tensor itself when
-  it is not a contiguous CPU tensor of at least ``MIN_BYTES``, already there, or not supported.
+  ``torch.zeros``. ``is_huge(tensor)``: whether its storage came from ``zeros``' mappings.
+- ``rehome(tensor) -> Tensor``: the tensor's values in ``zeros``' memory (settled the same way);
+  the tensor itself when it is not a contiguous CPU tensor of at least ``MIN_BYTES``, already
+  there, or not supported.
 - ``rehome_module(module) -> int``: every parameter of the module that ``rehome`` would move gets
   its ``.data`` swapped for the copy (a tied parameter is one object: it stays tied); the bytes
   moved.

@@ -22,7 +22,9 @@ Contract:
   draws are held like slow pieces), receives the piece's bytes and is moved to the piece's address
   (``mremap``); the slow pages are held in a process-wide quarantine (up to
   ``QUARANTINE_MAX_BYTES``), so the kernel does not hand them to the next buffer, else freed. The
-  region's values never change.
+  region's values never change. Where a system call fails (a sandbox without ``mremap``, no memory
+  for a draw) the buffer stays as it was (a half-done swap is undone), a warning says why, and
+  settling stops for the process.
 - ``stats() -> dict``: process totals (regions, pieces probed, slow, swapped, quarantined bytes);
   ``release()`` frees the quarantine.
 - Settling a region takes about ``PASSES`` reads of it (about 0.1 s for 256 MiB here), plus
@@ -33,14 +35,17 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
 from torch import Tensor
 
+log = logging.getLogger("specter.memory")
 PIECE_BYTES = 8 << 20  # four 2 MiB pages: the grain at which slow memory showed (stop 57)
 MIN_BYTES = 4 * PIECE_BYTES  # smaller buffers (the bundled model's) sit largely in the LLC
 PASSES = 5
@@ -76,6 +81,8 @@ _region_rates: list[float] = []
 _quarantine: list["_Range"] = []  # held slow pages
 _libc: ctypes.CDLL | None = None
 _evict: Tensor | None = None
+_failure: str | None = None  # why settling stopped in this process
+_lock = threading.Lock()  # engines built on two threads settle one region at a time
 
 
 def _lib() -> ctypes.CDLL:
@@ -107,9 +114,10 @@ def stats() -> dict:
 
 def release() -> None:
     """Free the quarantined pages (tests; a process keeps them for its life)."""
-    while _quarantine:
-        _quarantine.pop().unmap()
-    _totals["quarantined_bytes"] = 0
+    with _lock:
+        while _quarantine:
+            _quarantine.pop().unmap()
+        _totals["quarantined_bytes"] = 0
 
 
 class _Range:
@@ -164,6 +172,19 @@ def _evict_buffer() -> Tensor:
 
 
 def settle(region: Tensor) -> Settled:
+    global _failure
+    with _lock:
+        if _failure is not None:
+            return Settled()
+        try:
+            return _settle(region)
+        except OSError as error:  # a sandbox without mremap, no memory for a draw: the buffer stays as it is
+            _failure = str(error)
+            log.warning("page placement off for this process: %s", _failure)
+            return Settled()
+
+
+def _settle(region: Tensor) -> Settled:
     started = time.perf_counter()
     data = region.reshape(-1).view(torch.uint8)
     count = data.numel() // PIECE_BYTES
@@ -207,9 +228,7 @@ def _replace(slow: list[Tensor], calibration: list[tuple[Tensor, float]], floor:
         for piece, candidate, rate in zip(waiting, fresh, rates):
             if rate * scale >= floor:
                 candidate.tensor().copy_(piece)
-                _hold(piece.data_ptr())
-                _move(candidate.address, PIECE_BYTES, piece.data_ptr())
-                candidate.unmap()  # only its alignment slack is left there
+                _swap(piece.data_ptr(), candidate)
                 swapped += 1
             else:
                 rejected.append(candidate)
@@ -224,11 +243,26 @@ def _replace(slow: list[Tensor], calibration: list[tuple[Tensor, float]], floor:
     return swapped
 
 
-def _hold(address: int) -> None:
-    """Move the slow pages at ``address`` into the quarantine, or let them go when it is full."""
-    if _totals["quarantined_bytes"] + PIECE_BYTES > QUARANTINE_MAX_BYTES:
-        return  # the move onto this address frees them
-    keep = _Range(PIECE_BYTES, writable=False)
-    _move(address, PIECE_BYTES, keep.address)
-    _quarantine.append(keep)
-    _totals["quarantined_bytes"] += PIECE_BYTES
+def _swap(address: int, candidate: _Range) -> None:
+    """Move ``candidate``'s pages to ``address``; the pages there go to the quarantine while it has
+    room (else they are freed). If the second move fails the first is undone: ``address`` is never
+    left unmapped."""
+    keep = None
+    if _totals["quarantined_bytes"] + PIECE_BYTES <= QUARANTINE_MAX_BYTES:
+        keep = _Range(PIECE_BYTES, writable=False)
+        try:
+            _move(address, PIECE_BYTES, keep.address)
+        except OSError:
+            keep.unmap()
+            raise
+    try:
+        _move(candidate.address, PIECE_BYTES, address)  # with no keep, this frees the slow pages
+    except OSError:
+        if keep is not None:
+            _move(keep.address, PIECE_BYTES, address)
+            keep.unmap()
+        raise
+    candidate.unmap()  # only its alignment slack is left there
+    if keep is not None:
+        _quarantine.append(keep)
+        _totals["quarantined_bytes"] += PIECE_BYTES

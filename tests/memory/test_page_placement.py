@@ -21,6 +21,7 @@ def fresh_state(monkeypatch):
     monkeypatch.setattr(page_placement, "_region_rates", [])
     monkeypatch.setattr(page_placement, "_totals", dict.fromkeys(page_placement._totals, 0))
     monkeypatch.setattr(page_placement, "_quarantine", [])
+    monkeypatch.setattr(page_placement, "_failure", None)
     monkeypatch.delenv("SPECTER_SETTLE_PAGES", raising=False)
     yield
     page_placement.release()
@@ -103,6 +104,26 @@ def test_the_quarantine_stops_at_its_cap_and_lets_further_slow_pages_go(fresh_st
     settled = page_placement.settle(region)
     assert settled.swapped == 2 and len(page_placement._quarantine) == 1
     assert torch.equal(region, before)
+
+
+@linux_only
+def test_a_failed_move_is_undone_and_stops_settling_for_the_process(fresh_state, region, monkeypatch, caplog):
+    before = region.clone()
+    fake_rates(monkeypatch, {region.data_ptr() + 3 * PIECE})
+    real_move, calls = page_placement._move, []
+
+    def move(source, length, destination):
+        calls.append((source, destination))
+        if len(calls) == 2:  # the draw onto the slow piece's address
+            raise OSError(12, "mremap failed")
+        real_move(source, length, destination)
+
+    monkeypatch.setattr(page_placement, "_move", move)
+    assert page_placement.settle(region).pieces == 0
+    assert len(calls) == 3 and calls[2] == (calls[0][1], calls[0][0])  # the slow pages moved back
+    assert torch.equal(region, before) and page_placement._quarantine == []
+    assert "page placement off" in caplog.text
+    assert page_placement.settle(region).pieces == 0 and len(calls) == 3
 
 
 @linux_only
