@@ -12,13 +12,14 @@ Contract:
   ``SPECTER_SETTLE_PAGES`` is not ``0`` (read at every call: A/B runs flip it in one process).
 - ``settle(region) -> Settled``: ``region`` is a contiguous CPU tensor of at least ``MIN_BYTES``
   starting on a 2 MiB boundary of a private anonymous mapping, its pages written (faulted in). Each
-  whole ``PIECE_BYTES`` piece is read (``int32`` max: a streaming read on one core) ``PASSES`` times
-  in turn, with a read of a process-wide ``EVICT_BELOW`` buffer between passes where the pieces
-  would fit the last-level cache. The typical rate is the median of the regions' median piece
-  rates settled so far in this process, this one included (a region lying wholly on slow pages is
-  caught too). A piece that reads below ``SLOW_RATIO`` x typical in every pass is replaced: fresh
-  memory on 2 MiB pages, timed beside ``CALIBRATION`` of the region's pieces (its rate put on the
-  region's scale) and reading at least ``SLOW_RATIO`` x typical (up to ``TRIES`` draws; slow
+  whole ``PIECE_BYTES`` piece is read (``int32`` max: a streaming read on one core) ``FIRST_PASSES``
+  times in turn; the pieces slow in all of them are read ``PASSES`` times in all, beside
+  ``CALIBRATION`` typical pieces of the region (their rates put on the region's scale). Between
+  passes over pieces that would fit the last-level cache, a process-wide ``EVICT_BELOW`` buffer is
+  read. The typical rate is the median of the regions' median piece rates settled so far in this
+  process, this one included (a region lying wholly on slow pages is caught too). A piece that
+  reads below ``SLOW_RATIO`` x typical in every pass is replaced: fresh memory on 2 MiB pages,
+  timed the same way and reading at least ``SLOW_RATIO`` x typical (up to ``TRIES`` draws; slow
   draws are held like slow pieces), receives the piece's bytes and is moved to the piece's address
   (``mremap``); the slow pages are held in a process-wide quarantine (up to
   ``QUARANTINE_MAX_BYTES``), so the kernel does not hand them to the next buffer, else freed. The
@@ -27,7 +28,7 @@ Contract:
   settling stops for the process.
 - ``stats() -> dict``: process totals (regions, pieces probed, slow, swapped, quarantined bytes);
   ``release()`` frees the quarantine.
-- Settling a region takes about ``PASSES`` reads of it (about 0.1 s for 256 MiB here), plus
+- Settling a region takes about ``FIRST_PASSES`` reads of it (about 0.06 s for 256 MiB here), plus
   eviction reads for small regions and the draws for slow pieces.
 """
 
@@ -49,6 +50,7 @@ log = logging.getLogger("specter.memory")
 PIECE_BYTES = 8 << 20  # four 2 MiB pages: the grain at which slow memory showed (stop 57)
 MIN_BYTES = 4 * PIECE_BYTES  # smaller buffers (the bundled model's) sit largely in the LLC
 PASSES = 5
+FIRST_PASSES = 3  # over the whole region; the pieces slow in all three get the other two
 SLOW_RATIO = 0.88  # slow pieces read 0.80-0.86x the rest; pieces of one buffer spread +-8%
 TRIES = 3
 CALIBRATION = 3  # pieces of the region read again beside the draws for a slow one
@@ -148,12 +150,12 @@ def _move(source: int, length: int, destination: int) -> None:
         raise OSError(ctypes.get_errno(), "mremap failed")
 
 
-def _read_rates(pieces: list[Tensor]) -> list[list[float]]:
-    """Each piece's read rate (GiB/s) in each of ``PASSES`` passes, the pieces read in turn."""
+def _read_rates(pieces: list[Tensor], passes: int = PASSES) -> list[list[float]]:
+    """Each piece's read rate (GiB/s) in each of ``passes`` passes, the pieces read in turn."""
     evict = _evict_buffer() if len(pieces) * PIECE_BYTES < EVICT_BELOW else None
     words = [piece.view(torch.int32) for piece in pieces]
     rates: list[list[float]] = [[] for _ in pieces]
-    for _ in range(PASSES):
+    for _ in range(passes):
         if evict is not None:
             evict.max()
         for index, word in enumerate(words):
@@ -191,16 +193,21 @@ def _settle(region: Tensor) -> Settled:
     if count * PIECE_BYTES < MIN_BYTES or data.data_ptr() % HUGE_PAGE:
         return Settled()
     pieces = [data[i * PIECE_BYTES:(i + 1) * PIECE_BYTES] for i in range(count)]
-    passes = _read_rates(pieces)
+    passes = _read_rates(pieces, FIRST_PASSES)
     rates = [statistics.median(r) for r in passes]
     region_rate = statistics.median(rates)
     _region_rates.append(region_rate)
     del _region_rates[:-_HISTORY]
     typical = statistics.median(_region_rates)
-    slow = [i for i, r in enumerate(passes) if max(r) < SLOW_RATIO * typical]
-    calibration = sorted((i for i in range(count) if i not in slow), key=lambda i: abs(rates[i] - region_rate))
-    swapped = _replace([pieces[i] for i in slow], [(pieces[i], rates[i]) for i in calibration[:CALIBRATION]],
-                       SLOW_RATIO * typical) if slow else 0
+    floor = SLOW_RATIO * typical
+    suspects = [i for i, r in enumerate(passes) if max(r) < floor]
+    calibration = sorted((i for i in range(count) if i not in suspects), key=lambda i: abs(rates[i] - region_rate))
+    calibration = [(pieces[i], rates[i]) for i in calibration[:CALIBRATION]]
+    slow = []
+    if suspects:  # the rest of the passes for the suspects alone, on the region's scale
+        more = _scaled_rates([pieces[i] for i in suspects], calibration, PASSES - FIRST_PASSES)
+        slow = [i for i, extra in zip(suspects, more) if max(passes[i] + extra) < floor]
+    swapped = _replace([pieces[i] for i in slow], calibration, floor) if slow else 0
     result = Settled(count, len(slow), swapped, region_rate, typical, time.perf_counter() - started)
     for key, value in (("regions", 1), ("pieces", count), ("slow", len(slow)), ("swapped", swapped),
                        ("seconds", result.seconds)):
@@ -208,11 +215,19 @@ def _settle(region: Tensor) -> Settled:
     return result
 
 
+def _scaled_rates(pieces: list[Tensor], calibration: list[tuple[Tensor, float]], passes: int) -> list[list[float]]:
+    """``pieces`` read ``passes`` times beside the ``calibration`` pieces (piece, its median rate in
+    the region's passes), their rates put on the region's scale: a few pieces read between
+    eviction reads come out slower than the same pieces read in a long run (0.92x for one alone)."""
+    rates = _read_rates(pieces + [piece for piece, _ in calibration], passes)
+    again = [statistics.median(r) for r in rates[len(pieces):]]
+    scale = statistics.median(rate for _, rate in calibration) / statistics.median(again) if again else 1.0
+    return [[rate * scale for rate in row] for row in rates[:len(pieces)]]
+
+
 def _replace(slow: list[Tensor], calibration: list[tuple[Tensor, float]], floor: float) -> int:
-    """Move fresh memory reading at least ``floor`` under each slow piece (its bytes copied first);
-    how many were moved. A few pieces are read again beside the draws (``calibration``: piece,
-    rate in the region's passes) to put the draws' rates on the region's scale: a few pieces read
-    between eviction reads come out a little slower than pieces read in a long run."""
+    """Move fresh memory reading at least ``floor`` (on the region's scale) under each slow piece,
+    its bytes copied first; how many were moved."""
     waiting, swapped, rejected = list(slow), 0, []
     for _ in range(TRIES):
         if not waiting:
@@ -220,13 +235,10 @@ def _replace(slow: list[Tensor], calibration: list[tuple[Tensor, float]], floor:
         fresh = [_Range(PIECE_BYTES, writable=True) for _ in waiting]
         for candidate in fresh:
             candidate.tensor().zero_()  # fault the pages in (untouched memory reads the zero page)
-        passes = _read_rates([candidate.tensor() for candidate in fresh] + [piece for piece, _ in calibration])
-        rates = [statistics.median(r) for r in passes]
-        again = rates[len(fresh):]
-        scale = statistics.median(rate for _, rate in calibration) / statistics.median(again) if again else 1.0
+        rates = [statistics.median(r) for r in _scaled_rates([c.tensor() for c in fresh], calibration, PASSES)]
         still = []
         for piece, candidate, rate in zip(waiting, fresh, rates):
-            if rate * scale >= floor:
+            if rate >= floor:
                 candidate.tensor().copy_(piece)
                 _swap(piece.data_ptr(), candidate)
                 swapped += 1

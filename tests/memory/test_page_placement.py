@@ -37,22 +37,25 @@ def region():
     mapping.unmap()
 
 
-def fake_rates(monkeypatch, slow_addresses: set[int], draws_slow: bool = False) -> None:
-    """Pieces at ``slow_addresses`` read 9.5 GiB/s, the region's others 12; fresh draws 12, or 9 when
-    ``draws_slow``. Addresses outside the region (draws) are told apart by a set the fake fills."""
+def fake_rates(monkeypatch, slow_addresses: set[int], draws_slow: bool = False,
+               slow_at_first: frozenset[int] = frozenset()) -> None:
+    """Pieces at ``slow_addresses`` read 9.5 GiB/s, the region's others 12 (those at
+    ``slow_at_first`` 9.5 in the first passes only); fresh draws 12, or 9 when ``draws_slow``.
+    Addresses outside the region (draws) are told apart by a set the fake fills."""
     region_addresses: set[int] = set()
 
-    def rates(pieces):
+    def rates(pieces, passes=page_placement.PASSES):
         if not region_addresses:
             region_addresses.update(p.data_ptr() for p in pieces)
         out = []
         for piece in pieces:
             address = piece.data_ptr()
             if address in region_addresses:
-                rate = 9.5 if address in slow_addresses else 12.0
+                first = passes == page_placement.FIRST_PASSES and len(pieces) == len(region_addresses)
+                rate = 9.5 if address in slow_addresses or (first and address in slow_at_first) else 12.0
             else:
                 rate = 9.0 if draws_slow else 12.0
-            out.append([rate] * page_placement.PASSES)
+            out.append([rate] * passes)
         return out
 
     monkeypatch.setattr(page_placement, "_read_rates", rates)
@@ -74,6 +77,14 @@ def test_slow_pieces_get_fresh_pages_at_the_same_addresses_with_the_same_bytes(f
     assert sorted(bytes(h[:64].numpy()) for h in held) == sorted(
         bytes(before[i * PIECE:i * PIECE + 64].numpy()) for i in (1, 4))
     assert page_placement.stats()["quarantined_bytes"] == 2 * PIECE and page_placement.stats()["swapped"] == 2
+
+
+@linux_only
+def test_a_piece_slow_only_in_the_first_passes_keeps_its_pages(fresh_state, region, monkeypatch):
+    base = region.data_ptr()
+    fake_rates(monkeypatch, {base}, slow_at_first=frozenset({base + 2 * PIECE}))
+    settled = page_placement.settle(region)
+    assert (settled.slow, settled.swapped) == (1, 1) and len(page_placement._quarantine) == 1
 
 
 @linux_only
@@ -129,7 +140,7 @@ def test_a_failed_move_is_undone_and_stops_settling_for_the_process(fresh_state,
 @linux_only
 def test_small_regions_and_a_switched_off_run_are_left_alone(fresh_state, region, monkeypatch):
     calls = []
-    monkeypatch.setattr(page_placement, "_read_rates", lambda pieces: calls.append(pieces))
+    monkeypatch.setattr(page_placement, "_read_rates", lambda pieces, passes=0: calls.append(pieces))
     assert page_placement.settle(region[: page_placement.MIN_BYTES - 1]).pieces == 0
     assert calls == []
     monkeypatch.setenv("SPECTER_SETTLE_PAGES", "0")
