@@ -143,6 +143,16 @@ class _Range:
     def unmap(self) -> None:
         _lib().munmap(self._base, self._base_length)
 
+    def unmap_slack(self) -> None:
+        """Unmap the alignment slack around ``address`` once its pages have been moved away: never
+        the moved range itself, which another thread's mapping may already occupy."""
+        libc = _lib()
+        if self.address > self._base:
+            libc.munmap(self._base, self.address - self._base)
+        end, base_end = self.address + self.length, self._base + self._base_length
+        if base_end > end:
+            libc.munmap(end, base_end - end)
+
 
 def _move(source: int, length: int, destination: int) -> None:
     moved = _lib().mremap(source, length, length, _MREMAP_MAYMOVE_FIXED, destination)
@@ -272,9 +282,9 @@ def _swap(address: int, candidate: _Range) -> None:
     except OSError:
         if keep is not None:
             _move(keep.address, PIECE_BYTES, address)
-            keep.unmap()
+            keep.unmap_slack()
         raise
-    candidate.unmap()  # only its alignment slack is left there
+    candidate.unmap_slack()
     if keep is not None:
         _quarantine.append(keep)
         _totals["quarantined_bytes"] += PIECE_BYTES
