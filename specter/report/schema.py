@@ -2,7 +2,9 @@
 
 Contract: ``build_report(engine, metrics, result)`` returns a JSON-serialisable dict carrying every
 key of the schema in ../shared/DESIGN.md ("Report"); a figure that does not apply to the engine
-is ``None``. ``format_summary(report)`` renders the short table the CLI prints.
+is ``None``; beside them ``page_placement``, what settling this process's large buffers found
+(``specter.memory.page_placement.stats``). ``format_summary(report)`` renders the short table the
+CLI prints (a "slow memory swapped" row where any buffer was timed).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import platform
 
 import torch
+
+from specter.memory import page_placement
 
 SCHEMA = "specter.report/1"
 
@@ -88,6 +92,7 @@ def build_report(engine, metrics, result) -> dict:
         "threads": torch.get_num_threads(),
         "versions": versions(),
     })
+    report["page_placement"] = page_placement.stats()  # this process's, all engines built in it
     report["decode_step_s"] = metrics.decode_s / metrics.target_steps if metrics.target_steps else None
     report["phases"] = metrics.phase_report(report["model"]["n_moe_layers"])
     report.update(engine.engine_report())
@@ -145,6 +150,12 @@ def format_summary(report: dict) -> str:
         ("governor (round-time prediction error)", _governor_text(report.get("governor"))),
         ("lossless (vs resident greedy)", _fmt(report["lossless"])),
     ]
+    placement = report.get("page_placement") or {}
+    if placement.get("pieces"):
+        slow = placement.get("slow", 0)
+        rows.append(("slow memory swapped (this process)",
+                     f"{placement.get('swapped', 0)} of {slow} slow 8 MiB pieces (of {placement['pieces']} timed)"
+                     if slow else f"none slow of {placement['pieces']} 8 MiB pieces timed"))
     compiled = report.get("compile")
     if compiled:
         rows.append(("compiled (warm-up excluded above)", f"warm-up {_fmt(compiled.get('warmup_s'))} s, "

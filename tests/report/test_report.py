@@ -136,3 +136,16 @@ def test_format_summary_renders_full_and_sparse_reports(model):
     governed = dict(full, governor={"name": "roofline", "prediction_error": 0.171, "prediction_total_error": 0.044})
     assert any(line.startswith("governor") and line.rstrip().endswith("roofline (17.1% median, 4.4% total)")
                for line in format_summary(governed).splitlines())
+
+
+def test_the_summary_counts_slow_memory_only_where_the_process_timed_any(model):
+    report = build_report(StandIn(model), speculative_metrics(), RESULT)
+    assert set(report["page_placement"]) >= {"pieces", "slow", "swapped"}
+    quiet = dict(report, page_placement={"regions": 0, "pieces": 0, "slow": 0, "swapped": 0})
+    assert "slow memory" not in format_summary(quiet)
+    timed = dict(report, page_placement={"regions": 9, "pieces": 120, "slow": 5, "swapped": 4})
+    lines = format_summary(timed).splitlines()
+    expected = "4 of 5 slow 8 MiB pieces (of 120 timed)"
+    assert any(line.startswith("slow memory swapped") and line.rstrip().endswith(expected) for line in lines)
+    none_slow = dict(report, page_placement={"regions": 9, "pieces": 120, "slow": 0, "swapped": 0})
+    assert "none slow of 120 8 MiB pieces timed" in format_summary(none_slow)
