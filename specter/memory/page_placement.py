@@ -22,7 +22,7 @@ Contract:
   timed the same way and reading at least ``SLOW_RATIO`` x typical (up to ``TRIES`` draws; slow
   draws are held like slow pieces), receives the piece's bytes and is moved to the piece's address
   (``mremap``); the slow pages are held in a process-wide quarantine (up to
-  ``QUARANTINE_MAX_BYTES``), so the kernel does not hand them to the next buffer, else freed. The
+  ``QUARANTINE_MAX_BYTES``: 1 GiB, or a twentieth of the machine's memory where less), so the kernel does not hand them to the next buffer, else freed. The
   region's values never change. Where a system call fails (a sandbox without ``mremap``, no memory
   for a draw) the buffer stays as it was (a half-done swap is undone), a warning says why, and
   settling stops for the process.
@@ -47,6 +47,17 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger("specter.memory")
+
+
+def _quarantine_cap() -> int:
+    """1 GiB, or a twentieth of the machine's memory where that is less."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
+    return min(1 << 30, physical // 20)
+
+
 PIECE_BYTES = 8 << 20  # four 2 MiB pages: the grain at which slow memory showed (stop 57)
 MIN_BYTES = 4 * PIECE_BYTES  # smaller buffers (the bundled model's) sit largely in the LLC
 PASSES = 5
@@ -55,7 +66,7 @@ SLOW_RATIO = 0.88  # slow pieces read 0.80-0.86x the rest; pieces of one buffer 
 TRIES = 3
 CALIBRATION = 3  # pieces of the region read again beside the draws for a slow one
 EVICT_BELOW = 128 << 20  # pieces of a smaller region come back from the LLC on a second pass
-QUARANTINE_MAX_BYTES = 1 << 30
+QUARANTINE_MAX_BYTES = _quarantine_cap()
 HUGE_PAGE = 2 << 20
 _HISTORY = 64
 

@@ -157,3 +157,12 @@ def test_real_reads_settle_a_region_and_keep_its_values(fresh_state, region):
     assert settled.pieces == 6 and settled.rate_gibps > 0 and 0 <= settled.swapped <= settled.slow <= 6
     assert torch.equal(region, before)
     assert page_placement.stats()["regions"] == 1
+
+
+def test_the_quarantine_cap_is_a_gib_or_a_twentieth_of_the_machine(monkeypatch):
+    assert 0 < page_placement.QUARANTINE_MAX_BYTES <= 1 << 30
+    sizes = {"SC_PHYS_PAGES": 2 << 20, "SC_PAGE_SIZE": 4096}  # an 8 GiB machine
+    monkeypatch.setattr(page_placement.os, "sysconf", lambda name: sizes[name])
+    assert page_placement._quarantine_cap() == (8 << 30) // 20
+    sizes["SC_PHYS_PAGES"] = 64 << 20  # 256 GiB
+    assert page_placement._quarantine_cap() == 1 << 30
