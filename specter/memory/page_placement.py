@@ -22,10 +22,10 @@ Contract:
   timed the same way and reading at least ``SLOW_RATIO`` x typical (up to ``TRIES`` draws; slow
   draws are held like slow pieces), receives the piece's bytes and is moved to the piece's address
   (``mremap``); the slow pages are held in a process-wide quarantine (up to
-  ``QUARANTINE_MAX_BYTES``: 1 GiB, or a twentieth of the machine's memory where less), so the kernel does not hand them to the next buffer, else freed. The
-  region's values never change. Where a system call fails (a sandbox without ``mremap``, no memory
-  for a draw) the buffer stays as it was (a half-done swap is undone), a warning says why, and
-  settling stops for the process.
+  ``QUARANTINE_MAX_BYTES``: 1 GiB, or a twentieth of the machine's memory where less), so the
+  kernel does not hand them to the next buffer, else freed. The region's values never change.
+  Where a system call fails (a sandbox without ``mremap``, no memory for a draw) the buffer stays
+  as it was (a half-done swap is undone), a warning says why, and settling stops for the process.
 - ``stats() -> dict``: process totals (regions, pieces probed, slow, swapped, quarantined bytes);
   ``release()`` frees the quarantine.
 - Settling a region takes about ``FIRST_PASSES`` reads of it (about 0.06 s for 256 MiB here), plus
