@@ -15,13 +15,13 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   they are on this machine. A drafted width's transfer waits (the engine's ``verify_io_wait_s``)
   are ``T`` times the rate at T of the drafted rounds at the same place in their prompt
   (``PromptWaits``: the first rounds after a prefill stream the decode's experts in; each width's
-  rate shrunk towards the place's pooled rate, as one round's wait scatters far more than the rest
-  of its verification, then made non-increasing in T, as a wide round's tokens share the experts
-  they wait for; past the widest width measured there, its wait per distinct expert), or where
-  every round streams (``always_streams``) the widths' own rates at T over
-  all places (``by_width``; past the widest measured width, its wait per distinct expert) but a
-  round ``cut_short`` by the generation's end (its low wait pooled the wider widths' rates down:
-  9-10% too cheap at 25% on 2 GB/s); the rest follows ``VerifyCost``
+  rate shrunk towards the place's pooled wait per distinct expert times its distinct experts (one
+  round's wait scatters far more than the rest), then made non-increasing in T, as a wide
+  round's tokens share the experts they wait for; past the widest width measured there, its wait
+  per distinct expert), or where every round streams (``always_streams``) the widths' own rates
+  at T over all places (``by_width``; past the widest measured width, its wait per distinct
+  expert) but a round ``cut_short`` by the generation's end (its low wait pooled the wider widths'
+  rates down: 9-10% too cheap at 25% on 2 GB/s); the rest follows ``VerifyCost``
   (``specter.decode.roofline_cost``, both): one non-negative fit, through the recent drafted
   rounds, of the experts read, the tokens and (for an engine that reports no waits) the experts
   streamed past the cache's slots (a round's time depends on the width before it, so one

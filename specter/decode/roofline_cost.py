@@ -49,7 +49,8 @@ Fitting the waits by distinct experts and streamed experts as well was tried: wi
 looked cheaper at 50% on 2 GB/s, and the governor climbed to k = 12-14 (fixed k = 12 and 16
 there: 0.9x k = 6 or 8).
 ``by_width(width, now, changed_at, shrunk=False)``: the rate at one width, from the measured widths'
-own rates (``shrunk``: each first shrunk towards the pooled rate by ``WIDTH_PRIOR_ROUNDS`` rounds)
+own rates (``shrunk``: each first shrunk by ``WIDTH_PRIOR_ROUNDS`` rounds towards the pooled rate,
+per distinct expert where ``distinct`` is given, since stop 58)
 made non-increasing in the width (weighted isotonic regression, a width weighing its rounds' age
 weights times the width), linear between measured widths and flat beyond them, or given
 ``distinct`` (a width's distinct experts per layer) past the widest measured width the same wait
@@ -87,6 +88,7 @@ OWN_WAIT_ROUNDS = 3  # ... and their transfer waits are pooled alone from this m
 PROMPT_POOLS = 5  # rounds 0-3 after a prefill pool their waits apart, round 4 on together
 OWN_PLACE_ROUNDS = 2  # a place's own pool answers from this many rounds on
 WIDTH_PRIOR_ROUNDS = 4.0  # rounds at the pooled rate a width's own wait rate is shrunk with
+PRIOR_BY_DISTINCT = True  # a place's widths shrink towards the pooled wait per distinct expert
 RESIDUAL_PRIOR = 4.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
 
@@ -137,6 +139,9 @@ class WaitPerToken:
         self._value: float | None = None
         self._by_width: dict[int, float] = {}  # measured width -> its non-increasing rate (``by_width``)
         self._shrunk: dict[int, float] = {}  # ... shrunk towards the pooled rate first
+        self._sums: dict[int, tuple[float, float]] = {}  # width -> age-weighted (waits, tokens)
+        self._shrunk_by_distinct: dict[int, float] | None = None  # ... towards the pooled rate per distinct expert
+        self.prior_by_distinct = PRIOR_BY_DISTINCT
 
     def add(self, width: int, seconds: float, round_index: int) -> None:
         self.samples.append((width, max(0.0, seconds), round_index))
@@ -154,9 +159,21 @@ class WaitPerToken:
         ``distinct`` (a width's distinct experts per layer), past the widest measured width its
         round's wait per distinct expert. ``shrunk``: each width's rate first shrunk towards the
         pooled rate as if ``WIDTH_PRIOR_ROUNDS`` more rounds of that width had waited at it (one
-        round's wait scatters too much to set a width's rate alone)."""
+        round's wait scatters too much to set a width's rate alone); given ``distinct`` too (and
+        ``prior_by_distinct``, the default; False: towards the pooled rate per token), towards the
+        pooled wait per distinct expert times the width's distinct experts: a wide round's tokens
+        share the experts they stream. Why: the main job's (bundled model, 50% on 0.15 GB/s) first
+        rounds of a prompt, mostly narrow, waited 6.8 ms a verified token and its one k = 32 round
+        there 4.8; shrunk per token, k = 32 was priced at 6.5 ms a token and the governor held k =
+        5-13 there. One process, two copies each, three generations: 150.2 / 150.0 tok/s per token,
+        182.6 / 180.6 per distinct expert, fixed k = 32 185.2; the widened model at 50% on 2 GB/s
+        68.0 / 62.4 against 71.0 / 71.6 (fixed k = 32 70.9), at 50% `local` compiled 137.3 / 130.1
+        against 137.8 / 137.2; the bundled model at 50% on 0.1 GB/s 85.5 / 84.9 against 91.0 / 91.2,
+        at 50% on 1 GB/s compiled 453.8 / 430.8 against 433.6 / 443.6 (stop 58)."""
         self._update(now, changed_at)
         curve = self._shrunk if shrunk else self._by_width
+        if shrunk and distinct is not None and self.prior_by_distinct and curve:
+            curve = self._distinct_shrunk(distinct)
         if not curve:
             return self._value
         widest = next(reversed(curve))
@@ -186,6 +203,21 @@ class WaitPerToken:
         self._by_width = _falling({t: (waited[t], tokens[t]) for t in widths})
         pooled, prior = self._value or 0.0, WIDTH_PRIOR_ROUNDS
         self._shrunk = _falling({t: (waited[t] + prior * t * pooled, tokens[t] + prior * t) for t in widths})
+        self._sums = {t: (waited[t], tokens[t]) for t in widths}
+        self._shrunk_by_distinct = None
+
+    def _distinct_shrunk(self, distinct: Callable[[int], float]) -> dict[int, float]:
+        """``by_width``'s shrunk rates with the prior scaled by distinct experts: as if
+        ``WIDTH_PRIOR_ROUNDS`` more rounds of each width had waited the pooled wait per distinct
+        expert times that width's distinct experts (a wide round's tokens share what they stream)."""
+        if self._shrunk_by_distinct is None:
+            experts = sum(tokens / t * distinct(t) for t, (_, tokens) in self._sums.items())
+            per_expert = sum(waited for waited, _ in self._sums.values()) / experts if experts else 0.0
+            prior = WIDTH_PRIOR_ROUNDS
+            self._shrunk_by_distinct = _falling({
+                t: (waited + prior * per_expert * distinct(t), tokens + prior * t)
+                for t, (waited, tokens) in self._sums.items()})
+        return self._shrunk_by_distinct
 
 
 def _falling(by_width: dict[int, tuple[float, float]]) -> dict[int, float]:

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from specter.decode.roofline import RooflineGovernor
-from specter.decode.roofline_cost import PROMPT_POOLS
+from specter.decode.roofline_cost import PROMPT_POOLS, WaitPerToken
+from specter.decode.roofline_fit import distinct_experts
 from specter.decode.roofline_probe import calibration_rounds
 
 from roofline_machines import ExpertStreamMachine, SharedStreamMachine, WaitingMachine, drive, drive_prompts, fixed_rate
@@ -168,11 +169,12 @@ def test_the_rounds_right_after_a_prefill_have_their_own_waits():
     # each prompt's first two rounds wait 30 ms a verified token on copies (the prefill left the
     # cache holding its own experts), the later ones 0.5 ms: the governor predicts each place in a
     # prompt from its own rounds, where the waits pooled over all rounds overprice a steady round
-    # (the bundled model's main job, stop 40: 50-110 ms a round, then 0-4 ms)
+    # (the bundled model's main job, stop 40: 50-110 ms a round, then 0-4 ms). A round waits for the
+    # distinct experts it streams (its tokens share them): 30 / 0.5 ms per token of a plain round
     governor = RooflineGovernor(k=4)
 
     def verify_s(width: int, place: int) -> tuple[float, float]:
-        wait = (30e-3 if place < 2 else 0.5e-3) * width
+        wait = (30e-3 if place < 2 else 0.5e-3) * governor._distinct(width) / governor._distinct(1)
         return 2e-3 * width + wait, wait
 
     for _ in range(12):
@@ -187,6 +189,26 @@ def test_the_rounds_right_after_a_prefill_have_their_own_waits():
         assert abs(governor.verify_s(5) / verify_s(5, place)[0] - 1) < 0.15, place
     pooled = 2e-3 * 5 + 5 * governor.wait.all.value(governor.rounds, governor._changed_at)
     assert pooled > 1.3 * verify_s(5, 5)[0]
+
+
+def test_a_wide_round_measured_once_is_priced_by_the_experts_it_streams_not_its_tokens():
+    # the main job (stop 58): a prompt's first rounds, mostly narrow, waited 6.8 ms a verified token;
+    # its one k = 32 round there 4.8. Shrunk towards the pooled rate per token, k = 32 was priced
+    # at 6.5 ms a token and the governor held k = 5-13 there (150 tok/s against fixed k = 32's 185)
+    def distinct(width: int) -> float:
+        return distinct_experts(width, 16, 2)
+
+    def wait(width: int) -> float:
+        return 4e-3 * distinct(width)  # 4 ms an expert streamed
+
+    pool = WaitPerToken()
+    for index in range(8):
+        pool.add(3, wait(3), index)
+    pool.add(33, wait(33), 8)
+    priced = pool.by_width(33, 9, 0, shrunk=True, distinct=distinct) * 33
+    assert abs(priced / wait(33) - 1) < 0.15
+    pool.prior_by_distinct = False  # towards the pooled rate per token: 1.8x the truth
+    assert pool.by_width(33, 9, 0, shrunk=True, distinct=distinct) * 33 > 1.5 * wait(33)
 
 
 def test_a_plain_round_at_a_prompts_first_places_pays_their_extra_waits():
