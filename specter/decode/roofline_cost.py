@@ -88,7 +88,6 @@ OWN_WAIT_ROUNDS = 3  # ... and their transfer waits are pooled alone from this m
 PROMPT_POOLS = 5  # rounds 0-3 after a prefill pool their waits apart, round 4 on together
 OWN_PLACE_ROUNDS = 2  # a place's own pool answers from this many rounds on
 WIDTH_PRIOR_ROUNDS = 4.0  # rounds at the pooled rate a width's own wait rate is shrunk with
-PRIOR_BY_DISTINCT = True  # a place's widths shrink towards the pooled wait per distinct expert
 RESIDUAL_PRIOR = 4.0  # rounds: a width's mean residual from the fit counts as n / (n + this) of itself
 STALE_HALF_LIFE = 24  # rounds: a round's verify time loses half its weight in the fit per this many
 
@@ -141,7 +140,7 @@ class WaitPerToken:
         self._shrunk: dict[int, float] = {}  # ... shrunk towards the pooled rate first
         self._sums: dict[int, tuple[float, float]] = {}  # width -> age-weighted (waits, tokens)
         self._shrunk_by_distinct: dict[int, float] | None = None  # ... towards the pooled rate per distinct expert
-        self.prior_by_distinct = PRIOR_BY_DISTINCT
+        self.prior_by_distinct = True  # False: a place's widths shrink towards the pooled rate per token (A/B)
 
     def add(self, width: int, seconds: float, round_index: int) -> None:
         self.samples.append((width, max(0.0, seconds), round_index))
@@ -201,22 +200,26 @@ class WaitPerToken:
         self._key, self._value = key, sum(waited.values()) / total if total else None
         widths = sorted(t for t in tokens if tokens[t] > 0)
         self._by_width = _falling({t: (waited[t], tokens[t]) for t in widths})
-        pooled, prior = self._value or 0.0, WIDTH_PRIOR_ROUNDS
-        self._shrunk = _falling({t: (waited[t] + prior * t * pooled, tokens[t] + prior * t) for t in widths})
         self._sums = {t: (waited[t], tokens[t]) for t in widths}
+        pooled = self._value or 0.0
+        self._shrunk = self._shrunk_towards(lambda t: t * pooled)
         self._shrunk_by_distinct = None
 
+    def _shrunk_towards(self, prior_wait: Callable[[int], float]) -> dict[int, float]:
+        """The measured widths' rates, each as if ``WIDTH_PRIOR_ROUNDS`` more rounds of that width
+        had waited ``prior_wait(width)``, made non-increasing in the width."""
+        prior = WIDTH_PRIOR_ROUNDS
+        return _falling({t: (waited + prior * prior_wait(t), tokens + prior * t)
+                         for t, (waited, tokens) in self._sums.items()})
+
     def _distinct_shrunk(self, distinct: Callable[[int], float]) -> dict[int, float]:
-        """``by_width``'s shrunk rates with the prior scaled by distinct experts: as if
-        ``WIDTH_PRIOR_ROUNDS`` more rounds of each width had waited the pooled wait per distinct
-        expert times that width's distinct experts (a wide round's tokens share what they stream)."""
+        """``by_width``'s shrunk rates with the prior scaled by distinct experts: the pooled wait per
+        distinct expert times the width's distinct experts (a wide round's tokens share what they
+        stream)."""
         if self._shrunk_by_distinct is None:
             experts = sum(tokens / t * distinct(t) for t, (_, tokens) in self._sums.items())
             per_expert = sum(waited for waited, _ in self._sums.values()) / experts if experts else 0.0
-            prior = WIDTH_PRIOR_ROUNDS
-            self._shrunk_by_distinct = _falling({
-                t: (waited + prior * per_expert * distinct(t), tokens + prior * t)
-                for t, (waited, tokens) in self._sums.items()})
+            self._shrunk_by_distinct = self._shrunk_towards(lambda t: per_expert * distinct(t))
         return self._shrunk_by_distinct
 
 
