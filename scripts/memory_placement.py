@@ -23,7 +23,6 @@ unless settled.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import torch
 
@@ -50,15 +49,8 @@ def persistently_slow(rates: list[list[float]], slow: float) -> list[int]:
 
 def new_buffer(mib: int) -> torch.Tensor:
     """A written buffer on huge pages as the kernel placed it (``page_placement`` not run on it)."""
-    switch = os.environ.get("SPECTER_SETTLE_PAGES")
-    os.environ["SPECTER_SETTLE_PAGES"] = "0"
-    try:
+    with page_placement.disabled():
         return huge_pages.zeros((mib << 18,), torch.float32).add_(1.0)  # in place: stays on its pages
-    finally:
-        if switch is None:
-            del os.environ["SPECTER_SETTLE_PAGES"]
-        else:
-            os.environ["SPECTER_SETTLE_PAGES"] = switch
 
 
 def summary(rates: list[list[float]], slow: float) -> str:

@@ -9,7 +9,8 @@ An engine whose cache slots landed there decoded up to 18% slower than its ident
 
 Contract:
 - ``enabled() -> bool``: Linux with ``mremap`` (ctypes), and the environment variable
-  ``SPECTER_SETTLE_PAGES`` is not ``0`` (read at every call: A/B runs flip it in one process).
+  ``SPECTER_SETTLE_PAGES`` is not ``0`` (read at every call: A/B runs flip it in one process), and
+  not inside ``disabled()``.
 - ``settle(region) -> Settled``: ``region`` is a contiguous CPU tensor of at least ``MIN_BYTES``
   starting on a 2 MiB boundary of a private anonymous mapping, its pages written (faulted in). Each
   whole ``PIECE_BYTES`` piece is read (``int32`` max: a streaming read on one core) ``FIRST_PASSES``
@@ -34,6 +35,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -42,6 +44,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -95,6 +98,7 @@ _quarantine: list["_Range"] = []  # held slow pages
 _libc: ctypes.CDLL | None = None
 _evict: Tensor | None = None
 _failure: str | None = None  # why settling stopped in this process
+_paused = False  # inside ``disabled()``
 _lock = threading.Lock()  # engines built on two threads settle one region at a time
 
 
@@ -113,12 +117,23 @@ def _lib() -> ctypes.CDLL:
 
 
 def enabled() -> bool:
-    if os.environ.get("SPECTER_SETTLE_PAGES", "") == "0" or not sys.platform.startswith("linux"):
+    if _paused or os.environ.get("SPECTER_SETTLE_PAGES", "") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
         return hasattr(_lib(), "mremap")
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """``enabled()`` is False inside the block (buffers made there keep the pages they got)."""
+    global _paused
+    previous, _paused = _paused, True
+    try:
+        yield
+    finally:
+        _paused = previous
 
 
 def stats() -> dict:
@@ -249,31 +264,44 @@ def _scaled_rates(pieces: list[Tensor], calibration: list[tuple[Tensor, float]],
 def _replace(slow: list[Tensor], calibration: list[tuple[Tensor, float]], floor: float) -> int:
     """Move fresh memory reading at least ``floor`` (on the region's scale) under each slow piece,
     its bytes copied first; how many were moved."""
-    waiting, swapped, rejected = list(slow), 0, []
-    for _ in range(TRIES):
-        if not waiting:
-            break
-        fresh = [_Range(PIECE_BYTES, writable=True) for _ in waiting]
-        for candidate in fresh:
-            candidate.tensor().zero_()  # fault the pages in (untouched memory reads the zero page)
-        rates = [statistics.median(r) for r in _scaled_rates([c.tensor() for c in fresh], calibration, PASSES)]
-        still = []
-        for piece, candidate, rate in zip(waiting, fresh, rates):
-            if rate >= floor:
-                candidate.tensor().copy_(piece)
-                _swap(piece.data_ptr(), candidate)
-                swapped += 1
-            else:
-                rejected.append(candidate)
-                still.append(piece)
-        waiting = still
-    for candidate in rejected:  # slow too: held like the pieces they did not replace, while there is room
-        if _totals["quarantined_bytes"] + PIECE_BYTES > QUARANTINE_MAX_BYTES:
+    waiting, swapped, rejected, unsorted = list(slow), 0, [], []
+    try:
+        for _ in range(TRIES):
+            if not waiting:
+                break
+            unsorted = [_Range(PIECE_BYTES, writable=True) for _ in waiting]
+            for candidate in unsorted:
+                candidate.tensor().zero_()  # fault the pages in (untouched memory reads the zero page)
+            rates = [statistics.median(r) for r in _scaled_rates([c.tensor() for c in unsorted], calibration, PASSES)]
+            still = []
+            for piece, candidate, rate in zip(waiting, list(unsorted), rates):
+                if rate >= floor:
+                    candidate.tensor().copy_(piece)
+                    _swap(piece.data_ptr(), candidate)
+                    swapped += 1
+                else:
+                    rejected.append(candidate)
+                    still.append(piece)
+                unsorted.remove(candidate)
+            waiting = still
+    finally:
+        for candidate in unsorted:  # a system call failed before these were judged or moved
             candidate.unmap()
-        else:
-            _quarantine.append(candidate)
-            _totals["quarantined_bytes"] += PIECE_BYTES
+        for candidate in rejected:  # slow too: held like the pieces they did not replace, while there is room
+            if _room():
+                _hold(candidate)
+            else:
+                candidate.unmap()
     return swapped
+
+
+def _room() -> bool:
+    return _totals["quarantined_bytes"] + PIECE_BYTES <= QUARANTINE_MAX_BYTES
+
+
+def _hold(pages: _Range) -> None:
+    _quarantine.append(pages)
+    _totals["quarantined_bytes"] += PIECE_BYTES
 
 
 def _swap(address: int, candidate: _Range) -> None:
@@ -281,7 +309,7 @@ def _swap(address: int, candidate: _Range) -> None:
     room (else they are freed). If the second move fails the first is undone: ``address`` is never
     left unmapped."""
     keep = None
-    if _totals["quarantined_bytes"] + PIECE_BYTES <= QUARANTINE_MAX_BYTES:
+    if _room():
         keep = _Range(PIECE_BYTES, writable=False)
         try:
             _move(address, PIECE_BYTES, keep.address)
@@ -297,5 +325,4 @@ def _swap(address: int, candidate: _Range) -> None:
         raise
     candidate.unmap_slack()
     if keep is not None:
-        _quarantine.append(keep)
-        _totals["quarantined_bytes"] += PIECE_BYTES
+        _hold(keep)

@@ -22,6 +22,7 @@ def fresh_state(monkeypatch):
     monkeypatch.setattr(page_placement, "_totals", dict.fromkeys(page_placement._totals, 0))
     monkeypatch.setattr(page_placement, "_quarantine", [])
     monkeypatch.setattr(page_placement, "_failure", None)
+    monkeypatch.setattr(page_placement, "_paused", False)
     monkeypatch.delenv("SPECTER_SETTLE_PAGES", raising=False)
     yield
     page_placement.release()
@@ -143,6 +144,13 @@ def test_small_regions_and_a_switched_off_run_are_left_alone(fresh_state, region
     monkeypatch.setattr(page_placement, "_read_rates", lambda pieces, passes=0: calls.append(pieces))
     assert page_placement.settle(region[: page_placement.MIN_BYTES - 1]).pieces == 0
     assert calls == []
+    assert page_placement.enabled()
+    with page_placement.disabled():
+        assert not page_placement.enabled()
+        if huge_pages.supported():
+            tensor = huge_pages.zeros((page_placement.MIN_BYTES // 4,), torch.float32)
+            assert huge_pages.is_huge(tensor) and calls == [] and page_placement.stats()["regions"] == 0
+    assert page_placement.enabled()
     monkeypatch.setenv("SPECTER_SETTLE_PAGES", "0")
     assert not page_placement.enabled()
     if huge_pages.supported():
