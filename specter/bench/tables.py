@@ -7,7 +7,8 @@ per link (an emulated link is marked EMULATED), then one table per (budget, link
 in the order of ``bench["budgets"]`` and links in the order of ``bench["links"]``, and a last
 table for the budget-independent rows (those whose budget or link is null: resident, hf-offload).
 Each JSON row is exactly one table row, in JSON order within its table. Any metric may be null or
-absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. A row's ``note`` is listed under its table.
+absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. A row's ``note`` is
+listed under its table.
 
 Then, when there is something to show: "Where the time goes (specter rows)", one table row per
 specter row with ``phases`` (draft step against resident's target step of the same compile mode,
