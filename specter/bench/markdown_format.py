@@ -35,10 +35,14 @@ def share(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
 
 
+def row(cells: Iterable[object]) -> str:
+    """One pipe-table line, every cell escaped."""
+    return "| " + " | ".join(escape(c) for c in cells) + " |"
+
+
 def rows_table(columns: Iterable[str], rows: Iterable[Iterable[object]]) -> list[str]:
     columns = list(columns)
-    return (["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-            + ["| " + " | ".join(escape(c) for c in row) + " |" for row in rows])
+    return ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"] + [row(r) for r in rows]
 
 
 def where(row: dict, mode: bool = True) -> str:

@@ -92,13 +92,12 @@ def table_row(row: dict, independent: bool = False) -> str:
         _mib(row.get("device_bytes_total")),
         _lossless(row.get("lossless")),
     )
-    return "| " + " | ".join(fmt.escape(c) for c in cells) + " |"
+    return fmt.row(cells)
 
 
 def table(rows: Iterable[dict], independent: bool = False) -> list[str]:
     rows = list(rows)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += [table_row(row, independent) for row in rows]
+    lines = fmt.rows_table(COLUMNS, ()) + [table_row(row, independent) for row in rows]
     notes = list(dict.fromkeys((row.get("label") or row.get("engine") or "?", row["note"]) for row in rows if row.get("note")))
     if notes:
         lines += [""] + [f"- {fmt.escape(label)}: {fmt.escape(note)}" for label, note in notes]
