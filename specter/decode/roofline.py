@@ -69,11 +69,11 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   lone one is held back, unlearnt, and dropped if the next runs as predicted; not a drafted
   round whose place in its prompt has no waits of its own yet: ``_judge``) mark a change of
   conditions (see ``V(T)``), and both neighbours of the k are tried next. The first rounds
-  visit k0, then 0, 1 and 2 (and k_max where every round streams) twice each to calibrate (the
-  second round at each k a steady one; after ``link_changed()`` see there). A plain round right
-  after a drafted one finds the draft's prefetches in the cache and would make k = 0 look cheap:
-  once the plain round has an average measured since the last change such a round is not
-  measured, and k = 0 is visited (calibrated or probed) for two rounds in a row.
+  visit k0, then 0 twice, then 1 and 2 (and k_max where every round streams) once each to
+  calibrate (``roofline_probe.calibration_rounds``; after ``link_changed()`` see there). A plain
+  round right after a drafted one finds the draft's prefetches in the cache and would make k = 0
+  look cheap: once the plain round has an average measured since the last change such a round is
+  not measured, and k = 0 is visited (calibrated or probed) for two rounds in a row.
 - ``observe(drafted, accepted, **timings)`` takes the engine's phase timings (``draft_s``,
   ``flush_s``, ``verify_s`` and the transfer waits within it ``verify_io_wait_s``, ``host_s``,
   ``draft_steps``); unknown names are ignored (an engine that reports no waits has them fitted

@@ -4,8 +4,9 @@ Contract (pure functions but ``ProbeSchedule``; ``specter.decode.roofline`` hold
 - ``calibration_rounds(k0, k_max, widest=False)``: the k of the first rounds (and of those after
   ``link_changed()``): k0, then a plain round twice (the first, right after a drafted round, finds
   the draft's prefetches in the cache; with no plain round measured yet it is measured too, a warm
-  and a cold sample), then 1 twice and 2 twice (the first round at a new k is a transition, which
-  the verify cost counts at a fraction of a steady round), and with ``widest`` k_max twice.
+  and a cold sample), then 1, 2 and with ``widest`` k_max, once each (each a transition, which the
+  verify cost counts at a fraction of a steady round; the rounds the governor chooses next measure
+  their widths again).
 - ``probe_k(k, turn, rates, frontier, k_max, measured_at, rounds)``: the k to try instead of the
   chosen ``k``. ``turn`` (the probe's count mod 3) 1 and 2: its neighbour above, then below (k = 2
   when speculation is off: two draft positions observed per probe), within ``[0, frontier]``; turn
@@ -24,6 +25,16 @@ Contract (pure functions but ``ProbeSchedule``; ``specter.decode.roofline`` hold
   draft unused for 8 x), back to ``every`` when it changes; ``count`` probes so far, ``last_best``
   the choice it last saw. ``soon(now)``: the next probe two rounds on; ``soon(now, later=False)``:
   no later than that; ``restart(now)``: ``every`` rounds on, as at the start.
+Why the drafted widths once each: a cold run (the main job: one generation, the calibration
+inside its timed decode) spent 0.37 s of 3.0 on the seven rounds 4, 0, 0, 1, 1, 2, 2 (19 tokens;
+the bundled model on an emulated 0.15 GB/s link). Fresh engines in one process taking turns, cold
+runs, the seven rounds against 4, 0, 0, 1, 2 (2026-12-06): the main job 161.4 -> 165.2 tok/s and
+163.4 -> 170.5 (four runs each, two processes); ``bench-bundled``'s cells, eager, three runs each:
+25% / 50% on 0.1 GB/s 1.018 / 1.021x, on 1 GB/s 1.032 / 1.044x; ``bench-governor``'s (the widened
+model), two each: 25% / 50% on 2 GB/s 1.012 / 1.013x, on 20 GB/s 1.056 / 0.972x. The plain round
+stays twice: without its cold sample the main job ran 2-4% faster still, but a plain round after a
+drafted one would be its only sample (the warm-plain test's machine: it costs a quarter of a plain
+round there).
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ OFF_PROBE_RANGE = 0.6  # ... while speculation is off (a draft that got good aga
 
 def calibration_rounds(k0: int, k_max: int, widest: bool = False) -> list[int]:
     drafted = [c for c in dict.fromkeys((1, min(2, k_max), *((k_max,) if widest else ()))) if c != k0]
-    return [k0, *([0, 0] if k0 else [0]), *(c for c in drafted for _ in range(2))]
+    return [k0, *([0, 0] if k0 else [0]), *drafted]
 
 
 def probe_k(k: int, turn: int, rates: Sequence[float | None], frontier: int, k_max: int,

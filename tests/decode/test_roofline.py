@@ -227,7 +227,7 @@ def test_after_the_engine_reports_a_new_link_every_width_follows_the_new_costs()
     machine.io = 5e-4  # the engine moved to a 40x faster link and says so
     governor.link_changed()
     chosen = drive(governor, machine, 40)
-    assert chosen[:7] == [4, 0, 0, 1, 1, 2, 2]  # calibrates again
+    assert chosen[:5] == [4, 0, 0, 1, 2]  # calibrates again
     for k in range(governor.k_max + 1):
         true_round = machine.round(k)[1]["round_s"]
         assert abs(governor.round_s(k) - true_round) < 0.3 * true_round, k
@@ -252,16 +252,24 @@ class WarmAfterDraft(Machine):
 
 def test_a_plain_round_after_a_drafted_one_does_not_make_plain_decoding_look_cheap():
     # plain decoding would be best if every plain round cost what the first after a draft costs
-    # (k = 0 at 1.6x the rate of k = 2 with the warm cost), but it is the slowest choice here
-    machine = WarmAfterDraft(0.9, 4e-3, draft=1e-3, warm_share=0.25)
+    # (k = 0 at 1.6x the rate of k = 2 with the warm cost), but it is the slowest choice here.
+    # Over eight draws: k = 1..8 lie within 5% of each other, so one draw's probes and acceptance
+    # luck move its rate 0.89-1.15x the best fixed k, and its last plain estimate 0.63-1.0x the
+    # steady cost (the committed calibration before stop 59 as well: sixteen draws each)
     steady_plain = Machine(0.9, 4e-3, draft=1e-3).round(0)[1]["round_s"]
-    governor = RooflineGovernor(k=2, probe_every=6)
-    log: list = []
-    chosen = drive(governor, machine, 200, log)
-    assert governor.round_s(0) == pytest.approx(steady_plain, rel=0.1)
-    assert chosen.count(0) < 0.15 * len(chosen)
-    rate = sum(t for t, _ in log[50:]) / sum(s for _, s in log[50:])
-    assert rate >= 0.95 * max(fixed_rate(Machine(0.9, 4e-3, draft=1e-3), k) for k in range(1, 9))
+    plain, rates = [], []
+    for seed in range(8):
+        machine = WarmAfterDraft(0.9, 4e-3, draft=1e-3, warm_share=0.25)
+        machine.rng = random.Random(seed)
+        governor = RooflineGovernor(k=2, probe_every=6)
+        log: list = []
+        chosen = drive(governor, machine, 200, log)
+        assert chosen.count(0) < 0.15 * len(chosen), seed
+        plain.append(governor.round_s(0))
+        rates.append(sum(t for t, _ in log[50:]) / sum(s for _, s in log[50:]))
+    assert sorted(plain)[4] == pytest.approx(steady_plain, rel=0.1)  # a median: single draws 0.63-1.0x
+    best = max(fixed_rate(Machine(0.9, 4e-3, draft=1e-3), k) for k in range(1, 9))
+    assert sum(rates) / len(rates) >= 0.95 * best
 
 
 class JitteryMachine(Machine):
@@ -386,9 +394,9 @@ def test_once_the_measured_rounds_stream_through_the_cache_wider_ones_need_no_st
     machine = Machine(0.97, 2e-2, draft=5e-4)
     governor = RooflineGovernor(k=4, k_max=16, cache_slots_per_layer=4)
     chosen = drive(governor, machine, 12)
-    assert chosen[:7] == [4, 0, 0, 1, 1, 2, 2] and governor.frontier() == 16 and chosen[7] >= 14
+    assert chosen[:5] == [4, 0, 0, 1, 2] and governor.frontier() == 16 and chosen[5] >= 14
     stepwise = drive(RooflineGovernor(k=4, k_max=16), Machine(0.97, 2e-2, draft=5e-4), 12)
-    assert stepwise[7] == 8  # without the cache's size: twice the widest measured
+    assert stepwise[5] == 8  # without the cache's size: twice the widest measured
 
 
 def test_unless_given_k_max_is_the_widest_k_the_engines_allow():

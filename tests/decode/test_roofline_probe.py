@@ -9,12 +9,13 @@ from specter.decode.roofline_probe import ProbeSchedule, calibration_rounds, pro
 RATES = [100.0, 120.0, 150.0, 160.0, 158.0, 140.0, 90.0, 70.0, 60.0]  # predicted tokens/s for k = 0..8
 
 
-def test_the_calibration_visits_k0_the_plain_round_and_the_first_widths_twice():
-    assert calibration_rounds(4, 8) == [4, 0, 0, 1, 1, 2, 2]
-    assert calibration_rounds(0, 8) == [0, 0, 1, 1, 2, 2]  # k0 = 0: then one more plain round
-    assert calibration_rounds(2, 8) == [2, 0, 0, 1, 1]
-    assert calibration_rounds(4, 1) == [4, 0, 0, 1, 1]
-    assert calibration_rounds(4, 32, widest=True)[-2:] == [32, 32]
+def test_the_calibration_visits_k0_the_plain_round_twice_and_the_first_widths_once():
+    assert calibration_rounds(4, 8) == [4, 0, 0, 1, 2]
+    assert calibration_rounds(0, 8) == [0, 0, 1, 2]  # k0 = 0: then one more plain round
+    assert calibration_rounds(2, 8) == [2, 0, 0, 1]
+    assert calibration_rounds(4, 1) == [4, 0, 0, 1]
+    assert calibration_rounds(4, 32, widest=True)[-2:] == [2, 32]
+    assert calibration_rounds(32, 32, widest=True) == [32, 0, 0, 1, 2]  # k0 already the widest
 
 
 def test_neighbour_probes_step_up_then_down_within_the_frontier():
