@@ -139,7 +139,8 @@ class WaitPerToken:
         self._by_width: dict[int, float] = {}  # measured width -> its non-increasing rate (``by_width``)
         self._shrunk: dict[int, float] = {}  # ... shrunk towards the pooled rate first
         self._sums: dict[int, tuple[float, float]] = {}  # width -> age-weighted (waits, tokens)
-        self._shrunk_by_distinct: dict[int, float] | None = None  # ... towards the pooled rate per distinct expert
+        # ... towards the pooled rate per distinct expert, with the ``distinct`` it was computed for
+        self._shrunk_by_distinct: tuple[Callable[[int], float], dict[int, float]] | None = None
         self.prior_by_distinct = True  # False: a place's widths shrink towards the pooled rate per token (A/B)
 
     def add(self, width: int, seconds: float, round_index: int) -> None:
@@ -216,11 +217,11 @@ class WaitPerToken:
         """``by_width``'s shrunk rates with the prior scaled by distinct experts: the pooled wait per
         distinct expert times the width's distinct experts (a wide round's tokens share what they
         stream)."""
-        if self._shrunk_by_distinct is None:
+        if self._shrunk_by_distinct is None or self._shrunk_by_distinct[0] is not distinct:
             experts = sum(tokens / t * distinct(t) for t, (_, tokens) in self._sums.items())
             per_expert = sum(waited for waited, _ in self._sums.values()) / experts if experts else 0.0
-            self._shrunk_by_distinct = self._shrunk_towards(lambda t: per_expert * distinct(t))
-        return self._shrunk_by_distinct
+            self._shrunk_by_distinct = distinct, self._shrunk_towards(lambda t: per_expert * distinct(t))
+        return self._shrunk_by_distinct[1]
 
 
 def _falling(by_width: dict[int, tuple[float, float]]) -> dict[int, float]:

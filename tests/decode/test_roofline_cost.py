@@ -91,6 +91,21 @@ def test_waits_by_width_fall_with_the_width_as_measured_and_never_rise():
     assert all(rising.by_width(t, now=4, changed_at=-1) == pytest.approx(pooled) for t in (2, 9, 17))
 
 
+def test_shrunk_waits_follow_the_distinct_experts_they_are_asked_with():
+    # the shrunk curve per distinct expert is kept between calls: asked with another ``distinct``
+    # at the same samples, it is computed for that one, not handed back from the first
+    waits = WaitPerToken()
+    for i, (width, per_token) in enumerate([(2, 0.02), (9, 0.01), (2, 0.02)]):
+        waits.add(width, per_token * width, i)
+    few, many = {2: 2.0, 9: 4.0}.__getitem__, {2: 2.0, 9: 9.0}.__getitem__
+    first = waits.by_width(9, now=3, changed_at=-1, shrunk=True, distinct=few)
+    second = waits.by_width(9, now=3, changed_at=-1, shrunk=True, distinct=many)
+    fresh = WaitPerToken()
+    for sample in waits.samples:
+        fresh.add(*sample)
+    assert second == fresh.by_width(9, now=3, changed_at=-1, shrunk=True, distinct=many) != first
+
+
 def test_the_plain_round_is_a_running_mean_since_a_restart_then_a_moving_average():
     plain = PlainRound(0.25)
     for now, seconds in enumerate((10.0, 20.0, 30.0)):
