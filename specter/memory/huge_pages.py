@@ -35,8 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from specter.memory import page_placement
-
-HUGE_PAGE = 2 << 20
+from specter.memory.page_placement import HUGE_PAGE
 MIN_BYTES = HUGE_PAGE  # smaller tensors span at most a page or two: nothing to gain
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _live: dict[int, int] = {}  # start address -> length of each mapping ``zeros`` made and still alive

@@ -70,7 +70,7 @@ TRIES = 3
 CALIBRATION = 3  # pieces of the region read again beside the draws for a slow one
 EVICT_BELOW = 128 << 20  # pieces of a smaller region come back from the LLC on a second pass
 QUARANTINE_MAX_BYTES = _quarantine_cap()
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20  # a transparent huge page (``huge_pages`` maps on the same grain)
 _HISTORY = 64
 
 _PROT_NONE, _PROT_RW = 0, 3
