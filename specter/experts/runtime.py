@@ -23,7 +23,9 @@ Contract:
   waiting and computes them as their copies arrive, each wave the experts READY then; a wave's
   slots are released at once and ``on_release(layer, experts)`` (the speculative engines: the
   scheduler's ``computed``) streams the next predictions into them while the rest still copy.
-  The pairs' outputs are summed over j once at the end: the same bits as one pass. ``overlap_s``
+  The pairs' outputs are summed over j once at the end: the same bits as one pass. A silu-gated
+  GLU groups the pairs by expert from one host copy of the routing, each wave one native call
+  (``PairsByExpert``); other gates sort them by slot (``PairsBySlot``). ``overlap_s``
   adds up the seconds of waves computed while later experts of their layer were still copying.
 - When a layer needs more distinct experts than the cache has slots (a long prefill), the experts
   are streamed through the slots in chunks; chunk outputs are summed per token.
@@ -43,7 +45,8 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
-from specter.kernels.grouped_experts import PairsBySlot, grouped_experts, is_silu_glu, supports, takes_native
+from specter.kernels.grouped_experts import (PairsByExpert, PairsBySlot, grouped_experts, is_silu_glu, supports,
+                                             takes_native)
 from specter.model.layout import MoELayer
 
 IMPLEMENTATION_NAME = "specter"
@@ -126,7 +129,7 @@ class ExpertRuntime:
         self.mode = "target"
         self.observers: list[RoutingObserver] = []
         self._views = {m.layer: SlotView(m.experts, cache.slots) for m in layers} if cache is not None else {}
-        self._silu_glu = {m.layer: is_silu_glu(m.experts) for m in layers}  # a wave of one expert: one native call
+        self._silu_glu = {m.layer: is_silu_glu(m.experts) for m in layers}  # waves through PairsByExpert
         self.waves = True  # see _compute_in_waves; False: one wait for all of a layer's experts
         self.on_release: Callable[[int, list[int]], None] | None = None  # (layer, experts) freed mid-layer
         self.overlap_s = 0.0  # seconds of waves computed while later experts of their layer still copied
@@ -186,17 +189,23 @@ class ExpertRuntime:
         slots = self.cache.acquire(layer, experts, wait=False)
         pending = list(experts)
         try:
-            slot_ids = torch.tensor(slots, dtype=top_k_index.dtype, device=top_k_index.device)
-            pair_slots = self._slot_lookup(layer, experts, slot_ids)[top_k_index]
             wave = self.cache.await_any(layer, pending)
             if len(wave) == len(experts):  # nothing was loading: one pass
-                return _grouped_experts_forward(view, hidden, pair_slots, top_k_weights)
-            pairs = PairsBySlot(hidden, pair_slots, top_k_weights, view.gate_up_proj.shape[0])
+                return _grouped_experts_forward(view, hidden, self._pair_slots(layer, experts, slots, top_k_index),
+                                                top_k_weights)
             slot_of = dict(zip(experts, slots))
+            if self._silu_glu[layer]:
+                by_expert = PairsByExpert(hidden, top_k_index, top_k_weights)
+                pairs, compute = by_expert, lambda wave: by_expert.compute(
+                    wave, [slot_of[e] for e in wave], view.gate_up_proj, view.down_proj)
+            else:
+                by_slot = PairsBySlot(hidden, self._pair_slots(layer, experts, slots, top_k_index), top_k_weights,
+                                      view.gate_up_proj.shape[0])
+                pairs, compute = by_slot, lambda wave: by_slot.compute(
+                    [slot_of[e] for e in wave], view.gate_up_proj, view.down_proj, view._apply_gate)
             while True:
                 started = time.perf_counter()
-                pairs.compute([slot_of[e] for e in wave], view.gate_up_proj, view.down_proj, view._apply_gate,
-                              self._silu_glu[layer])
+                compute(wave)
                 self.cache.release(layer, wave)
                 pending = [e for e in pending if e not in wave]
                 if not pending:
@@ -208,6 +217,11 @@ class ExpertRuntime:
         finally:
             if pending:
                 self.cache.release(layer, pending)
+
+    def _pair_slots(self, layer: int, experts: list[int], slots: list[int], top_k_index: torch.Tensor) -> torch.Tensor:
+        """``top_k_index`` with each expert replaced by its slot."""
+        slot_ids = torch.tensor(slots, dtype=top_k_index.dtype, device=top_k_index.device)
+        return self._slot_lookup(layer, experts, slot_ids)[top_k_index]
 
     def _compute_chunk(
         self, layer: int, view: SlotView, experts: list[int], hidden: torch.Tensor,

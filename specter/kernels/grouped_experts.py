@@ -24,9 +24,13 @@ Contract:
 - ``PairsBySlot(x, slot_ids, weights, n_slots)``: the same pairs sorted by slot once, computed a
   set of slots at a time (``compute(slots, ...)``, as their weights arrive) and summed over j once
   (``result``): the bits of ``native_grouped_experts`` in one call, for any split of the slots
-  (``takes_native`` must hold; eager only: a wave's rows have a data-dependent count). With
-  ``silu_glu`` (the gate is ``is_silu_glu``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek) a wave is one
-  native call (``native_rows.glu_expert_groups``), each slot's rows read in place, the same bits.
+  (``takes_native`` must hold; eager only: a wave's rows have a data-dependent count).
+- ``PairsByExpert(x, ids, weights)``: the same for a gate that ``is_silu_glu`` (Mixtral,
+  Qwen2/3-MoE, OLMoE, DeepSeek), with no tensor work before the first wave: the pairs are grouped
+  by expert in host lists from one copy of ``ids`` (a layer has a few dozen), each wave
+  (``compute(experts, slots, ...)``: those experts, whose weights are in those slots) is one native
+  call (``native_rows.glu_expert_pairs``) writing its pairs' rows in place, and ``result`` sums
+  over j: the bits of ``native_grouped_experts`` for any split of the experts.
 - ``supports(module)``: whether a transformers experts module has the layout this kernel covers
   (gated, [out, in] weights, no biases, no post-expert norm: Mixtral, Qwen2/3-MoE, OLMoE,
   DeepSeek, PhiMoE); other layouts use transformers' own kernel.
@@ -144,14 +148,8 @@ class PairsBySlot:
         self._dtype = x.dtype
         self._out: Tensor | None = None  # [T * k, H] in sorted order
 
-    def compute(self, slots: list[int], gate_up: Tensor, down: Tensor, apply_gate: ApplyGate,
-                silu_glu: bool = False) -> None:
-        """The pairs of ``slots``; ``silu_glu``: ``apply_gate`` is a silu-gated GLU
-        (``is_silu_glu``), so the wave is one native call, each slot's rows read in place (same bits)."""
-        if silu_glu:
-            native_rows.glu_expert_groups(self._output(down), self._x, gate_up, down, self._weights, slots,
-                                          [self._bounds[slot] for slot in slots])
-            return
+    def compute(self, slots: list[int], gate_up: Tensor, down: Tensor, apply_gate: ApplyGate) -> None:
+        """The pairs of ``slots``."""
         if len(slots) == 1:  # the slot's rows are one range, read in place
             start, end = self._bounds[slots[0]]
             ends = torch.tensor([end - start], device=self._counts.device)
@@ -177,3 +175,34 @@ class PairsBySlot:
         assert self._out is not None, "compute() ran on no slots"
         pairs = torch.zeros_like(self._out).index_copy(0, self._order, self._out)
         return pairs.view(*self._shape, -1).sum(dim=1).to(self._dtype)
+
+
+class PairsByExpert:
+    """A layer's (token, j) pairs grouped by expert in host lists; ``compute`` runs some experts'
+    pairs in one native call (a silu-gated GLU, ``is_silu_glu``), ``result`` sums over j."""
+
+    def __init__(self, x: Tensor, ids: Tensor, weights: Tensor) -> None:
+        self._shape = ids.shape  # [T, k]
+        self._x = x.contiguous()
+        self._weights = weights.reshape(-1).contiguous()
+        self._pairs_of: dict[int, list[int]] = {}  # expert -> its pairs p = t * k + j, increasing
+        for pair, expert in enumerate(ids.reshape(-1).tolist()):
+            self._pairs_of.setdefault(expert, []).append(pair)
+        self._out: Tensor | None = None  # [T * k, H] float32, pair order
+
+    def compute(self, experts: list[int], slots: list[int], gate_up: Tensor, down: Tensor) -> None:
+        """The pairs of ``experts``, whose weights are ``gate_up[slots[i]]`` and ``down[slots[i]]``."""
+        if self._out is None:
+            self._out = self._x.new_zeros(self._x.shape[0] * self._shape[1], down.shape[1], dtype=torch.float32)
+        pairs: list[int] = []
+        starts = [0]
+        for expert in experts:
+            pairs += self._pairs_of.get(expert, ())
+            starts.append(len(pairs))
+        native_rows.glu_expert_pairs(self._out, self._x, gate_up, down, self._weights, self._shape[1], slots, starts,
+                                     pairs)
+
+    def result(self) -> Tensor:
+        """``[T, H]``: every pair's output summed over j (pairs never computed count as zero)."""
+        assert self._out is not None, "compute() ran on no experts"
+        return self._out.view(*self._shape, -1).sum(dim=1).to(self._x.dtype)

@@ -15,12 +15,13 @@ Contract:
   RMS norm of one row (float32, ``normed = h * rsqrt(mean(h^2) + eps) * norm_weight``; the sum of
   squares in a different order from PyTorch's), then each [N_i, K] weight on it, outputs side by
   side (``specter_native::normed_rows``): the draft step's norm-and-projections in one call.
-- ``glu_expert_groups(out [P, H], x [P, H], gate_up [S, 2I, H], down [S, H, I], weights [P, 1],
-  groups, bounds)``: rows sorted by expert; for each expert ``g`` of ``groups`` and its rows
-  ``(start, end)`` in ``bounds``, ``(down[g] @ (silu(gate) * up)) * weights`` with ``[gate | up] =
-  gate_up[g] @ x``, written into those rows of ``out`` (others untouched): a verification wave of any
-  number of experts in one call, the bits of ``grouped_rows``, PyTorch's silu and mul called one
-  by one.
+- ``glu_expert_pairs(out [P, H], x [T, H], gate_up [S, 2I, H], down [S, H, I], weights [P], top_k,
+  groups, starts, pairs)``: pairs ``p = t * top_k + j`` (P = T * top_k); for the i-th expert ``g``
+  of ``groups``, its pairs ``pairs[starts[i]:starts[i + 1]]`` (their tokens' rows of ``x`` in that
+  order), ``(down[g] @ (silu(gate) * up)) * weights[p]`` with ``[gate | up] = gate_up[g] @ x[t]``,
+  written into rows ``p`` of ``out`` (others untouched): a verification wave of any number of
+  experts in one call, straight from the layer's routing, the bits of ``grouped_rows``, PyTorch's
+  silu and mul called one by one on the same rows.
 - ``draft_qkv`` / ``draft_attend_route`` (``layer_serves`` must hold): the lean draft step's
   attention half of a layer for one token, in two calls around the K/V write (their contract:
   ``csrc/draft_layer.cpp``); ``draft_layer``: the whole layer in one call, the K/V write, the
@@ -65,13 +66,12 @@ def grouped_rows(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     return torch.ops.specter_native.grouped_rows(x.contiguous(), w, ends)
 
 
-def glu_expert_groups(out: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor,
-                      groups: list[int], bounds: list[tuple[int, int]]) -> None:
-    """Expert ``g``'s silu-gated MLP on rows ``start .. end`` of ``x`` into the same rows of
-    ``out``, for each ``g`` of ``groups`` and its ``(start, end)`` in ``bounds`` (see the module
-    docstring); ``serves`` must hold for ``x``, ``gate_up`` and ``down``."""
-    torch.ops.specter_native.glu_expert_groups(out, x.contiguous(), gate_up, down, weights, groups,
-                                               [start for start, _ in bounds], [end for _, end in bounds])
+def glu_expert_pairs(out: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, top_k: int,
+                     groups: list[int], starts: list[int], pairs: list[int]) -> None:
+    """The gated MLP of expert ``groups[i]`` on its pairs ``pairs[starts[i]:starts[i + 1]]`` into
+    those rows of ``out`` (see the module docstring); ``serves`` must hold for ``x``, ``gate_up``
+    and ``down``."""
+    torch.ops.specter_native.glu_expert_pairs(out, x.contiguous(), gate_up, down, weights, top_k, groups, starts, pairs)
 
 
 def wide_rows(enabled: bool | None = None) -> bool:

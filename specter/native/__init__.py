@@ -13,7 +13,7 @@ Contract:
   graphs call them as extern kernels): ``int4_gemv``, ``int4_rows`` and ``int4_glu_token``
   (``specter.kernels.int4_native``, the INT4 draft); ``grouped_rows`` and ``normed_rows``
   (``specter.kernels.native_rows``: full-precision experts, the draft's norms and projections);
-  ``glu_expert_groups`` (``native_rows``: some experts' gated MLPs, a verification wave; it mutates
+  ``glu_expert_pairs`` (``native_rows``: some experts' gated MLPs, a verification wave; it mutates
   its output and is called eagerly only, with no fake implementation); ``draft_qkv`` and
   ``draft_attend_route`` (``native_rows``: the lean draft step's attention half of a layer,
   called eagerly only, with no fake implementation);

@@ -10,7 +10,7 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 
 from specter.experts.runtime import use_grouped_kernel
 from specter.kernels.grouped_experts import (
-    PairsBySlot, grouped_experts, is_silu_glu, native_grouped_experts, supports,
+    PairsByExpert, PairsBySlot, grouped_experts, is_silu_glu, native_grouped_experts, supports,
 )
 
 HIDDEN, INTER, SLOTS = 32, 24, 7
@@ -73,7 +73,7 @@ def test_the_native_and_the_grouped_mm_forms_agree_with_the_reference(tokens, to
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_pairs_by_slot_computed_in_any_split_of_the_slots_have_the_bits_of_one_pass(seed: int) -> None:
+def test_pairs_computed_in_any_split_of_the_experts_have_the_bits_of_one_pass(seed: int) -> None:
     from specter import native
 
     if not native.available():
@@ -97,14 +97,19 @@ def test_pairs_by_slot_computed_in_any_split_of_the_slots_have_the_bits_of_one_p
     for slot in used + [s for s in range(SLOTS) if s not in used]:  # unused slots: no rows
         one_by_one.compute([slot], gate_up, down, wide_gate)
     assert torch.equal(one_by_one.result(), one_pass)
-    fused = PairsBySlot(x, ids, weights, SLOTS)  # the waves in one native call each
+    by_expert = PairsByExpert(x, ids, weights)  # the waves in one native call each (ids are the slots here)
     for wave in waves:
-        fused.compute(wave, gate_up, down, wide_gate, silu_glu=True)
-    assert torch.equal(fused.result(), one_pass)
-    fused_one_by_one = PairsBySlot(x, ids, weights, SLOTS)
+        by_expert.compute(wave, wave, gate_up, down)
+    assert torch.equal(by_expert.result(), one_pass)
+    by_expert_one_by_one = PairsByExpert(x, ids, weights)
     for slot in used:
-        fused_one_by_one.compute([slot], gate_up, down, wide_gate, silu_glu=True)
-    assert torch.equal(fused_one_by_one.result(), one_pass)
+        by_expert_one_by_one.compute([slot], [slot], gate_up, down)
+    assert torch.equal(by_expert_one_by_one.result(), one_pass)
+    relocated = PairsByExpert(x, ids, weights)  # an expert's weights in another slot: the same bits
+    moved = {e: (e + 1) % SLOTS for e in used}
+    for wave in waves:
+        relocated.compute(wave, [moved[e] for e in wave], gate_up.roll(1, 0), down.roll(1, 0))
+    assert torch.equal(relocated.result(), one_pass)
     partial = PairsBySlot(x, ids, weights, SLOTS)
     partial.compute(used[:1], gate_up, down, wide_gate)
     if len(used) > 1:  # pairs of slots never computed count as zero

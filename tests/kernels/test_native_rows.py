@@ -144,27 +144,31 @@ def test_normed_rows_refuses_what_it_cannot_compute() -> None:
 
 
 @needs_native
-def test_glu_expert_groups_writes_each_listed_experts_gated_mlp_into_its_rows_only() -> None:
+def test_glu_expert_pairs_writes_each_listed_experts_gated_mlp_into_its_pairs_rows_only() -> None:
     gen = torch.Generator().manual_seed(5)
-    hidden, inter, experts, rows = 32, 48, 4, 9
-    x = torch.randn(rows, hidden, generator=gen)  # rows sorted by expert: 0..2 expert 3, 2..6 expert 1, 6..9 expert 0
+    hidden, inter, experts, tokens, top_k = 32, 48, 4, 5, 2
+    x = torch.randn(tokens, hidden, generator=gen)
     gate_up, down = torch.randn(experts, 2 * inter, hidden, generator=gen), torch.randn(experts, hidden, inter, generator=gen)
-    weights = torch.rand(rows, 1, generator=gen)
-    out = torch.full((rows, hidden), 7.0)
-    native_rows.glu_expert_groups(out, x, gate_up, down, weights, [3, 1], [(0, 2), (2, 6)])
+    weights = torch.rand(tokens * top_k, generator=gen)
+    out = torch.full((tokens * top_k, hidden), 7.0)
+    listed = {3: [0, 5], 1: [2, 3, 7, 9]}  # expert -> its pairs p = t * top_k + j; pairs 1, 4, 6, 8 unlisted
+    native_rows.glu_expert_pairs(out, x, gate_up, down, weights, top_k, [3, 1], [0, 2, 6], [0, 5, 2, 3, 7, 9])
 
-    def expected(expert: int, start: int, end: int) -> torch.Tensor:
-        h = x[start:end].double() @ gate_up[expert].double().T
-        return (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down[expert].double().T * weights[start:end].double()
+    def expected(expert: int, pair: int) -> torch.Tensor:
+        h = gate_up[expert].double() @ x[pair // top_k].double()
+        return down[expert].double() @ (torch.nn.functional.silu(h[:inter]) * h[inter:]) * float(weights[pair])
 
-    torch.testing.assert_close(out[0:2].double(), expected(3, 0, 2), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[2:6].double(), expected(1, 2, 6), rtol=1e-4, atol=1e-4)
-    assert bool((out[6:] == 7.0).all())  # expert 0's rows were not listed: untouched
+    for expert, pairs in listed.items():
+        for pair in pairs:
+            torch.testing.assert_close(out[pair].double(), expected(expert, pair), rtol=1e-4, atol=1e-4)
+    assert bool((out[[1, 4, 6, 8]] == 7.0).all())  # not listed: untouched
     with pytest.raises(RuntimeError, match="down must be"):
-        native_rows.glu_expert_groups(out, x, gate_up, down.transpose(1, 2).contiguous(), weights, [0], [(6, 9)])
+        native_rows.glu_expert_pairs(out, x, gate_up, down.transpose(1, 2).contiguous(), weights, top_k, [0], [0, 1], [1])
     with pytest.raises(RuntimeError, match="weights must be"):
-        native_rows.glu_expert_groups(out, x, gate_up, down, weights[:2], [0], [(6, 9)])
-    with pytest.raises(RuntimeError, match="out of range"):
-        native_rows.glu_expert_groups(out, x, gate_up, down, weights, [experts], [(6, 9)])
-    with pytest.raises(RuntimeError, match="not within"):
-        native_rows.glu_expert_groups(out, x, gate_up, down, weights, [0], [(6, rows + 1)])
+        native_rows.glu_expert_pairs(out, x, gate_up, down, weights[:2], top_k, [0], [0, 1], [1])
+    with pytest.raises(RuntimeError, match="group 4 out of range"):
+        native_rows.glu_expert_pairs(out, x, gate_up, down, weights, top_k, [experts], [0, 1], [1])
+    with pytest.raises(RuntimeError, match="pair 10 out of range"):
+        native_rows.glu_expert_pairs(out, x, gate_up, down, weights, top_k, [0], [0, 1], [tokens * top_k])
+    with pytest.raises(RuntimeError, match="starts must run"):
+        native_rows.glu_expert_pairs(out, x, gate_up, down, weights, top_k, [0], [0, 2], [1])

@@ -10,9 +10,9 @@
 // row's result depends on its values, the weight and K only, never on how many rows its group has.
 //   normed_rows(h float32 [1, K], norm_weight [K], eps, weights [N_i, K]...) -> (normed [1, K],
 //   [1, sum N_i]): an RMS norm, then every weight on the normed row, outputs side by side.
-//   glu_expert_groups(out [P, H], x [P, H], gate_up [S, 2I, H], down [S, H, I], weights [P, 1],
-//   groups, starts, ends): for each listed expert g, the silu-gated MLP of its rows starts .. ends
-//   (pairs sorted by expert), scaled per row, written into those rows of out.
+//   glu_expert_pairs(out [P, H], x [T, H], gate_up [S, 2I, H], down [S, H, I], weights [P], top_k,
+//   groups, starts, pairs): for each listed expert g, the silu-gated MLP of its pairs' tokens
+//   (pair p = t * top_k + j), scaled per pair, written into rows p of out.
 //   wide_rows(mode) -> 0 | 1: whether groups of two rows or more take the AVX-512 forms (below).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include "rows_math.h"
 #include "rows_math512.h"
@@ -91,7 +92,7 @@ void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* ou
 
 // Two rows or more go through the AVX-512 forms (rows_math512.h: the same bits) where the CPU has
 // them, up to kWideRows rows a pass. One thread, this VM's Xeon, 24 [8192, 256] + [256, 4096]
-// experts cycled (from memory), one expert's rows through its gated MLP (glu_expert_groups), AVX2
+// experts cycled (from memory), one expert's rows through its gated MLP (glu_rows), AVX2
 // against AVX-512: 2 / 3 / 4 / 8 / 12 rows 1.02 / 1.07 / 1.14 / 1.33 / 1.52 against 0.95 / 1.05 /
 // 1.09 / 1.24 / 1.39 ms; from the caches (one expert) 4 / 8 / 12 rows 0.52 / 0.82 / 1.13 against
 // 0.49 / 0.70 / 0.95. One row stays in AVX2 (0.94 ms either way), and three rows of a short
@@ -181,40 +182,60 @@ at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return out;
 }
 
-// Pairs sorted by expert, x [P, H]: for each g of `groups`, rows starts[i] .. ends[i] through
-// expert g's gated MLP (gate_up [S, 2I, H], down [S, H, I]), scaled by their weights [P, 1], into
-// the same rows of out [P, H]; other rows untouched. A verification wave (the experts whose copies
-// have landed) in one call, each expert's rows read in place.
-void glu_expert_groups(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                       const at::Tensor& weights, at::IntArrayRef groups, at::IntArrayRef starts,
-                       at::IntArrayRef ends) {
+// Pairs (token t, choice j) numbered p = t * top_k + j, tokens x [T, H], weights [P] (P = T * top_k):
+// for the i-th expert g of `groups`, its pairs pairs[starts[i] .. starts[i + 1]] (their tokens'
+// rows gathered in that order) through expert g's gated MLP (gate_up [S, 2I, H], down [S, H, I]),
+// each scaled by its weight, into rows p of out [P, H]; other rows untouched. A verification wave
+// (the experts whose copies have landed) in one call, the bits of glu_rows on the same rows.
+void glu_expert_pairs(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                      const at::Tensor& weights, int64_t top_k, at::IntArrayRef groups, at::IntArrayRef starts,
+                      at::IntArrayRef pairs) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "glu_expert_groups: x must be a contiguous float32 [P, H] tensor");
+              "glu_expert_pairs: x must be a contiguous float32 [T, H] tensor");
   TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3,
-              "glu_expert_groups: gate_up and down must be [S, 2I, H] and [S, H, I]");
-  const int64_t p = x.size(0), h = x.size(1), s = gate_up.size(0), two_i = gate_up.size(1), inter = two_i / 2;
+              "glu_expert_pairs: gate_up and down must be [S, 2I, H] and [S, H, I]");
+  const int64_t t = x.size(0), h = x.size(1), s = gate_up.size(0), two_i = gate_up.size(1), inter = two_i / 2;
+  TORCH_CHECK(top_k >= 1, "glu_expert_pairs: top_k must be at least 1");
+  const int64_t p = t * top_k;
   TORCH_CHECK(gate_up.size(2) == h && two_i % 2 == 0 && gate_up.scalar_type() == at::kFloat &&
                   gate_up.is_contiguous() && h % 16 == 0,
-              "glu_expert_groups: gate_up must be a contiguous float32 [S, 2I, H] tensor, H a multiple of 16");
+              "glu_expert_pairs: gate_up must be a contiguous float32 [S, 2I, H] tensor, H a multiple of 16");
   TORCH_CHECK(down.size(0) == s && down.size(1) == h && down.size(2) == inter &&
                   down.scalar_type() == at::kFloat && down.is_contiguous() && inter % 16 == 0,
-              "glu_expert_groups: down must be a contiguous float32 [S, H, I] tensor, I a multiple of 16");
-  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == p && weights.size(1) == 1 && weights.scalar_type() == at::kFloat,
-              "glu_expert_groups: weights must be a float32 [P, 1] tensor");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == p && out.size(1) == h && out.scalar_type() == at::kFloat,
-              "glu_expert_groups: out must be a float32 [P, H] tensor");
-  TORCH_CHECK(starts.size() == groups.size() && ends.size() == groups.size(),
-              "glu_expert_groups: groups, starts and ends must have the same length");
+              "glu_expert_pairs: down must be a contiguous float32 [S, H, I] tensor, I a multiple of 16");
+  TORCH_CHECK(weights.dim() == 1 && weights.size(0) == p && weights.scalar_type() == at::kFloat &&
+                  weights.is_contiguous(),
+              "glu_expert_pairs: weights must be a contiguous float32 [T * top_k] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == p && out.size(1) == h && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(),
+              "glu_expert_pairs: out must be a contiguous float32 [T * top_k, H] tensor");
+  TORCH_CHECK(starts.size() == groups.size() + 1 && starts[0] == 0 &&
+                  starts[groups.size()] == static_cast<int64_t>(pairs.size()),
+              "glu_expert_pairs: starts must run from 0 to len(pairs), one more than groups");
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   const float* gate_up_p = gate_up.data_ptr<float>();
   const float* down_p = down.data_ptr<float>();
   for (size_t i = 0; i < groups.size(); ++i) {
-    const int64_t g = groups[i], start = starts[i], end = ends[i];
-    TORCH_CHECK(0 <= g && g < s, "glu_expert_groups: group ", g, " out of range 0..", s - 1);
-    TORCH_CHECK(0 <= start && start <= end && end <= p, "glu_expert_groups: rows ", start, "..", end,
-                " not within 0..", p);
-    if (end == start) continue;
-    glu_rows(out.narrow(0, start, end - start), x.narrow(0, start, end - start), gate_up_p + g * two_i * h,
-             down_p + g * h * inter, weights.narrow(0, start, end - start), inter);
+    const int64_t g = groups[i], begin = starts[i], end = starts[i + 1], r = end - begin;
+    TORCH_CHECK(0 <= g && g < s, "glu_expert_pairs: group ", g, " out of range 0..", s - 1);
+    TORCH_CHECK(r >= 0, "glu_expert_pairs: starts must be non-decreasing");
+    if (r == 0) continue;
+    auto rows = at::empty({r, h}, x.options());
+    auto scale = at::empty({r, 1}, x.options());
+    float* rp = rows.data_ptr<float>();
+    float* sp = scale.data_ptr<float>();
+    for (int64_t q = 0; q < r; ++q) {
+      const int64_t pair = pairs[begin + q];
+      TORCH_CHECK(0 <= pair && pair < p, "glu_expert_pairs: pair ", pair, " out of range 0..", p - 1);
+      std::memcpy(rp + q * h, xp + (pair / top_k) * h, h * sizeof(float));
+      sp[q] = wp[pair];
+    }
+    auto result = at::empty({r, h}, x.options());
+    glu_rows(result, rows, gate_up_p + g * two_i * h, down_p + g * h * inter, scale, inter);
+    const float* res = result.data_ptr<float>();
+    for (int64_t q = 0; q < r; ++q) std::memcpy(op + pairs[begin + q] * h, res + q * h, h * sizeof(float));
   }
 }
 
@@ -265,12 +286,12 @@ TORCH_LIBRARY_FRAGMENT(specter_native, m) {
   m.def("wide_rows(int mode) -> int", &wide_rows);  // no tensor: one kernel for every backend
   m.def("grouped_rows(Tensor x, Tensor w, Tensor ends) -> Tensor");
   m.def("normed_rows(Tensor h, Tensor norm_weight, float eps, Tensor[] weights) -> (Tensor, Tensor)");
-  m.def("glu_expert_groups(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor down, Tensor weights, int[] groups, "
-        "int[] starts, int[] ends) -> ()");
+  m.def("glu_expert_pairs(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor down, Tensor weights, int top_k, "
+        "int[] groups, int[] starts, int[] pairs) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
   m.impl("grouped_rows", &grouped_rows);
   m.impl("normed_rows", &normed_rows);
-  m.impl("glu_expert_groups", &glu_expert_groups);
+  m.impl("glu_expert_pairs", &glu_expert_pairs);
 }
