@@ -21,9 +21,7 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    layer refused earlier is retried whenever a slot frees, before its layer needs it.
    ``computed(layer, experts)``: verification computed those experts before the rest of their
    layer (``ExpertRuntime``'s waves) and freed their slots; they leave the predictions ahead and
-   the window's missing keys are issued into the freed slots at once, unless the link still has
-   more than ``max_in_flight`` copies queued (then at the next ``computed`` or ``advance`` that
-   finds it with fewer: the link stays busy either way, and the waves skip the window's upkeep).
+   the window's missing keys are issued into the freed slots at once.
 5. Two tiers: every prediction not in the cache is also handed to the link's ``stage`` the moment
    it arrives, so a host tier below the device (``specter.memory.host_tier``) starts reading it
    from the disk before a device slot is free for it.
@@ -257,12 +255,11 @@ class PrefetchScheduler:
         stream into the freed slots at once."""
         if not self._active or layer < self._frontier:
             return
-        self._done.update((layer, int(e)) for e in experts)
-        if self.cache.in_flight > self.max_in_flight:
-            return  # the link has more queued than it needs to stay busy: a later call hands these slots over
+        done = {(layer, int(e)) for e in experts}
+        self._done |= done
         # predictions and frontier unchanged since the window was computed: the keys ahead keep
         # their order, less the ones done (no re-sort)
-        self._set_window([k for k in self._ahead if k not in self._done])
+        self._set_window([k for k in self._ahead if k not in done])
         self._stream(reserve=0)
 
     def _stream(self, reserve: int) -> None:

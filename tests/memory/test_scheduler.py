@@ -355,26 +355,6 @@ def test_a_layers_early_wave_frees_its_slots_for_the_window_at_once() -> None:
     assert scheduler.stats.predicted == 6  # an expert computed early is still counted as predicted
 
 
-def test_computed_leaves_the_freed_slots_for_later_while_the_link_has_more_than_enough_queued() -> None:
-    cache, link, scheduler = flushed_two_a_layer_round(n_slots=4)
-    scheduler.max_in_flight = 1
-    link.transfers[0].complete()  # (0, 0) has arrived; (0, 1), (1, 2), (1, 3) are still copying
-    scheduler.advance(0)
-    cache.acquire(0, [0, 1], wait=False)
-    assert cache.await_any(0, [0, 1]) == [0]
-    cache.release(0, [0])
-    before = len(link.submitted)
-    scheduler.computed(0, [0])  # three copies queued, one would keep the link busy: nothing issued yet
-    assert len(link.submitted) == before and scheduler.stats.streamed == 0
-    link.transfers[1].complete()
-    link.transfers[2].complete()  # one copy left in flight
-    assert cache.await_any(0, [1]) == [1]
-    cache.release(0, [1])
-    scheduler.computed(0, [1])  # both layer-0 slots handed over now, in need order
-    assert submitted_keys(cache, link, before) == [(2, 4), (2, 5)] and scheduler.stats.streamed == 2
-    assert not {(0, 0), (0, 1)} & cache.protected_keys()
-
-
 def test_computed_is_ignored_outside_a_round_and_for_verified_layers() -> None:
     cache, link = make_cache(n_slots=4, layers=(0, 1, 2))
     scheduler = PrefetchScheduler(cache, max_in_flight=8)
