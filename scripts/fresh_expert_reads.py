@@ -2,7 +2,7 @@
 
 Run: python scripts/fresh_expert_reads.py [--rows 3] [--gbps 2.0] [--repeats 12]   (one thread, ~30 s)
 
-Times Specter's native gated-MLP kernel (``native_rows.glu_expert_groups``, what a verification
+Times Specter's native gated-MLP kernel (``native_rows.glu_expert_pairs``, what a verification
 wave runs) on one float32 expert of the widened model's shape ([8192, 256] gate-up and [256, 4096]
 down, 12 MiB, on huge pages where Linux allows, as in the engines) with ``--rows`` rows, the expert
 read:
@@ -55,15 +55,15 @@ def main() -> None:
     gate_up, down = widened_experts()
     slot_gate_up = huge_pages.zeros((2, 2 * INTER, HIDDEN), torch.float32)
     slot_down = huge_pages.zeros((2, HIDDEN, INTER), torch.float32)
-    x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows, 1)
+    x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows)
     sweep = torch.empty(600 * 2**20 // 4)
     expert_bytes = gate_up[0].nbytes + down[0].nbytes
     wire_s = expert_bytes / (args.gbps * 1e9)
 
     def kernel(stack_gate_up: torch.Tensor, stack_down: torch.Tensor, index: int) -> float:
         started = time.perf_counter()
-        torch.ops.specter_native.glu_expert_groups(out, x, stack_gate_up, stack_down, weights, [index], [0],
-                                                   [args.rows])
+        torch.ops.specter_native.glu_expert_pairs(out, x, stack_gate_up, stack_down, weights, 1, [index],
+                                                  [0, args.rows], list(range(args.rows)))
         return time.perf_counter() - started
 
     def start_copy(expert: int, slot: int) -> threading.Thread:

@@ -13,7 +13,7 @@ the INT4 experts (the runtime's draft experts) and the attention half (``native_
 scheduler's prefetches); the rest of a draft step is its LM head, norms and Python. Verification
 parts: the experts from the cache (``ExpertRuntime._forward_from_slots``: acquire, one pass or
 waves, release), of them the kernels' share (one pass: ``_grouped_experts_forward``; waves:
-``PairsBySlot.compute``), and the observers told of a target layer; the rest of verification is
+``PairsByExpert.compute``, ``PairsBySlot.compute`` for other gates), and the observers told of a target layer; the rest of verification is
 attention, norms, the LM head, the graph or model around them and Python. A counter adds about
 0.5 us to a call (timeit on a hot loop; more between kernels that flush the caches). Timings vary
 between spells on this VM: compare parts within one run.
@@ -81,6 +81,7 @@ def instrumented(engine) -> Iterator[Parts]:
                (native_rows, "draft_attend_route", "draft: attention half"),
                (type(runtime), "_forward_from_slots", "verify: experts from the cache"),
                (runtime_module, "_grouped_experts_forward", "verify:   kernels, one pass"),
+               (grouped_experts.PairsByExpert, "compute", "verify:   kernels, waves"),
                (grouped_experts.PairsBySlot, "compute", "verify:   kernels, waves")]
     targets += [(draft_type, "forward", "draft: INT4 experts") for draft_type in {type(d) for d in runtime.draft.values()}]
     originals = [(owner, name, vars(owner).get(name, _INHERITED))

@@ -5,7 +5,7 @@ Run: python scripts/wave_bookkeeping.py [--rows 3] [--repeats 60]   (one thread,
 Times the expert cache's own calls around one wave (``acquire(..., wait=False)``, ``await_any``,
 ``release`` of two experts of a 16-slot cache, every slot READY) in three states of the core's
 caches: warm (the calls run back to back), right after a small kernel (a 64 x 256 ``sum``), and
-right after Specter's native gated-MLP kernel (``native_rows.glu_expert_groups``, what a wave runs)
+right after Specter's native gated-MLP kernel (``native_rows.glu_expert_pairs``, what a wave runs)
 read one of 40 12 MiB float32 experts of the widened model's shape (on huge pages where Linux
 allows, as the engines' slots are), cycled, with ``--rows`` rows. Medians of
 ``--repeats`` (the first ten dropped). Why: on a slow link a verification wave computes one or two
@@ -62,13 +62,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
     gate_up, down = widened_experts()
-    x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows, 1)
+    x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows)
     small = torch.randn(64, HIDDEN)
     cache = small_cache()
 
     def wave_kernel(repeat: int) -> None:
-        torch.ops.specter_native.glu_expert_groups(out, x, gate_up, down, weights, [repeat % EXPERTS], [0],
-                                                   [args.rows])
+        torch.ops.specter_native.glu_expert_pairs(out, x, gate_up, down, weights, 1, [repeat % EXPERTS],
+                                                  [0, args.rows], list(range(args.rows)))
 
     before: dict[str, Callable[[int], object]] = {
         "warm (back to back)": lambda repeat: wave_bookkeeping(cache, repeat),

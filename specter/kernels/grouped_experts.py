@@ -89,7 +89,7 @@ def grouped_experts(
 
 def is_silu_glu(module: nn.Module) -> bool:
     """Whether ``module``'s gate is transformers' default (``gate, up = chunk(2)``,
-    ``act_fn(gate) * up``) with a SiLU ``act_fn``: what ``native_rows.glu_expert_groups`` computes."""
+    ``act_fn(gate) * up``) with a SiLU ``act_fn``: what ``native_rows.glu_expert_pairs`` computes."""
     return (_DEFAULT_APPLY_GATE is not None and getattr(type(module), "_apply_gate", None) is _DEFAULT_APPLY_GATE
             and type(getattr(module, "act_fn", None)) in _SILU_TYPES)
 
