@@ -172,3 +172,5 @@ def test_glu_expert_pairs_writes_each_listed_experts_gated_mlp_into_its_pairs_ro
         native_rows.glu_expert_pairs(out, x, gate_up, down, weights, top_k, [0], [0, 1], [tokens * top_k])
     with pytest.raises(RuntimeError, match="starts must run"):
         native_rows.glu_expert_pairs(out, x, gate_up, down, weights, top_k, [0], [0, 2], [1])
+    with pytest.raises(RuntimeError, match="non-decreasing"):  # group 0 would read past the pairs
+        native_rows.glu_expert_pairs(out, x, gate_up, down, weights, top_k, [0, 1], [0, 2, 1], [1])

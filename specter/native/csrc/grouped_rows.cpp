@@ -220,7 +220,8 @@ void glu_expert_pairs(at::Tensor out, const at::Tensor& x, const at::Tensor& gat
   for (size_t i = 0; i < groups.size(); ++i) {
     const int64_t g = groups[i], begin = starts[i], end = starts[i + 1], r = end - begin;
     TORCH_CHECK(0 <= g && g < s, "glu_expert_pairs: group ", g, " out of range 0..", s - 1);
-    TORCH_CHECK(r >= 0, "glu_expert_pairs: starts must be non-decreasing");
+    TORCH_CHECK(r >= 0 && end <= static_cast<int64_t>(pairs.size()),
+                "glu_expert_pairs: starts must be non-decreasing, within 0..len(pairs)");
     if (r == 0) continue;
     auto rows = at::empty({r, h}, x.options());
     auto scale = at::empty({r, 1}, x.options());
