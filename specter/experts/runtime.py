@@ -219,9 +219,11 @@ class ExpertRuntime:
                 self.cache.release(layer, pending)
 
     def _pair_slots(self, layer: int, experts: list[int], slots: list[int], top_k_index: torch.Tensor) -> torch.Tensor:
-        """``top_k_index`` with each expert replaced by its slot."""
-        slot_ids = torch.tensor(slots, dtype=top_k_index.dtype, device=top_k_index.device)
-        return self._slot_lookup(layer, experts, slot_ids)[top_k_index]
+        """``top_k_index`` with each of ``experts`` replaced by its slot in ``slots``."""
+        lookup = torch.zeros(self.layers[layer].num_experts, dtype=top_k_index.dtype, device=top_k_index.device)
+        lookup[torch.tensor(experts, device=lookup.device)] = torch.tensor(slots, dtype=lookup.dtype,
+                                                                            device=lookup.device)
+        return lookup[top_k_index]
 
     def _compute_chunk(
         self, layer: int, view: SlotView, experts: list[int], hidden: torch.Tensor,
@@ -229,23 +231,17 @@ class ExpertRuntime:
     ) -> torch.Tensor:
         slots = self.cache.acquire(layer, experts)
         try:
-            slot_ids = torch.tensor(slots, dtype=top_k_index.dtype, device=top_k_index.device)
             if torch.is_grad_enabled() and hidden.requires_grad:
                 # autograd keeps the weights for backward, and a later load overwrites the slot:
                 # compute from a copy of the slots this layer uses
+                slot_ids = torch.tensor(slots, dtype=top_k_index.dtype, device=top_k_index.device)
                 view = SlotView(self.layers[layer].experts,
                                 {name: buffer.index_select(0, slot_ids) for name, buffer in self.cache.slots.items()})
-                slot_ids = torch.arange(len(slots), dtype=slot_ids.dtype, device=slot_ids.device)
-            lookup = self._slot_lookup(layer, experts, slot_ids)
-            return _grouped_experts_forward(view, hidden, lookup[top_k_index], top_k_weights)
+                slots = list(range(len(slots)))
+            return _grouped_experts_forward(view, hidden, self._pair_slots(layer, experts, slots, top_k_index),
+                                            top_k_weights)
         finally:
             self.cache.release(layer, experts)
-
-    def _slot_lookup(self, layer: int, experts: list[int], slot_ids: torch.Tensor) -> torch.Tensor:
-        """Expert id -> slot id for ``experts`` of ``layer`` (0 for the others), as ``slot_ids``."""
-        lookup = torch.zeros(self.layers[layer].num_experts, dtype=slot_ids.dtype, device=slot_ids.device)
-        lookup[torch.tensor(experts, device=lookup.device)] = slot_ids
-        return lookup
 
 
 def install(model: nn.Module, runtime: ExpertRuntime) -> None:

@@ -184,12 +184,12 @@ class PrefetchScheduler:
                 break
             started = time.perf_counter()
             placed = self._prefetch(key)
-            if not placed and not self._may_evict_beyond_window(key) and self.cache.spare_slots() == 0:
-                # no slot a prefetch may take: every key after this one (in need order, none of
-                # which may evict more) would be refused too
-                self.issue_s += time.perf_counter() - started
-                break
+            # no slot a prefetch may take: every key after this one (in need order, none of which
+            # may evict more) would be refused too
+            no_room = not placed and not self._may_evict_beyond_window(key) and self.cache.spare_slots() == 0
             self.issue_s += time.perf_counter() - started
+            if no_room:
+                break
             issued += placed
         return issued
 
