@@ -12,7 +12,8 @@ the INT4 experts (the runtime's draft experts) and the attention half (``native_
 ``draft_attend_route``), the observers told of a draft layer (the draft predictor's hand-over, the
 scheduler's prefetches); the rest of a draft step is its LM head, norms and Python. Verification
 parts: the experts from the cache (``ExpertRuntime._forward_from_slots``: acquire, one pass or
-waves, release), of them the kernels' share (one pass: ``_grouped_experts_forward``; waves:
+waves, release), of them the kernels' share (one pass, for gates other than a silu GLU, whose
+layers are waves even when every expert is ready: ``_grouped_experts_forward``; waves:
 ``PairsByExpert.compute``, ``PairsBySlot.compute`` for other gates), and the observers told of a target layer; the rest of verification is
 attention, norms, the LM head, the graph or model around them and Python. A counter adds about
 0.5 us to a call (timeit on a hot loop; more between kernels that flush the caches). Timings vary

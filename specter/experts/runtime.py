@@ -25,7 +25,8 @@ Contract:
   scheduler's ``computed``) streams the next predictions into them while the rest still copy.
   The pairs' outputs are summed over j once at the end: the same bits as one pass. A silu-gated
   GLU groups the pairs by expert from one host copy of the routing, each wave one native call
-  (``PairsByExpert``); other gates sort them by slot (``PairsBySlot``). ``overlap_s``
+  (``PairsByExpert``), and takes that path when every expert is READY at once too (one wave);
+  other gates sort them by slot (``PairsBySlot``), or run one pass when nothing copies. ``overlap_s``
   adds up the seconds of waves computed while later experts of their layer were still copying.
 - When a layer needs more distinct experts than the cache has slots (a long prefill), the experts
   are streamed through the slots in chunks; chunk outputs are summed per token.
@@ -185,16 +186,20 @@ class ExpertRuntime:
         """The layer's experts in waves as their copies arrive: each wave computes the experts READY
         then, releases their slots and tells ``on_release`` (the scheduler streams the next keys
         into them) while the rest still copy. Each (token, j) pair is computed once and the sum
-        over j taken once at the end: the same bits as one pass."""
+        over j taken once at the end: the same bits as one pass. A silu-gated GLU goes through
+        ``PairsByExpert`` even when every expert is READY at once (one wave, one native call: fewer
+        small tensor ops than the one-pass kernel's sort, gathers and scatter); other gates take
+        the one-pass kernel then."""
         slots = self.cache.acquire(layer, experts, wait=False)
         pending = list(experts)
         try:
             wave = self.cache.await_any(layer, pending)
-            if len(wave) == len(experts):  # nothing was loading: one pass
+            silu_glu = self._silu_glu[layer]
+            if len(wave) == len(experts) and not silu_glu:  # nothing was loading: one pass
                 return _grouped_experts_forward(view, hidden, self._pair_slots(layer, experts, slots, top_k_index),
                                                 top_k_weights)
             slot_of = dict(zip(experts, slots))
-            if self._silu_glu[layer]:
+            if silu_glu:
                 by_expert = PairsByExpert(hidden, top_k_index, top_k_weights)
                 pairs, compute = by_expert, lambda wave: by_expert.compute(
                     wave, [slot_of[e] for e in wave], view.gate_up_proj, view.down_proj)

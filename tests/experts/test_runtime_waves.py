@@ -70,3 +70,35 @@ def test_waves_on_a_slow_link_decode_as_resident_and_hand_freed_slots_to_the_sch
         releases = count_releases(engine)
         assert engine.generate(PROMPTS).token_ids == expected
         assert releases and engine.scheduler.stats.streamed > 0
+
+
+def test_a_layer_whose_experts_are_all_ready_is_one_native_wave_with_the_bits_of_one_pass(mixtral, monkeypatch):
+    from specter.kernels import grouped_experts
+
+    gen = torch.Generator().manual_seed(1)
+    outputs, waves_computed = {}, []
+    compute = grouped_experts.PairsByExpert.compute
+
+    def counted(self, experts, slots, gate_up, down):
+        waves_computed.append(list(experts))
+        return compute(self, experts, slots, gate_up, down)
+    monkeypatch.setattr(grouped_experts.PairsByExpert, "compute", counted)
+    for waves in (True, False):
+        with load(mixtral, "ondemand", {"kind": "local"}, budget=0.5) as engine:
+            engine.runtime.waves = waves
+            layer = min(engine.runtime.layers)
+            module = engine.runtime.layers[layer].experts
+            n_experts = engine.runtime.layers[layer].num_experts
+            gen.manual_seed(1)
+            hidden = torch.randn(5, module.gate_up_proj.shape[-1], generator=gen)
+            index = torch.stack([torch.randperm(n_experts, generator=gen)[:2] for _ in range(5)])
+            weights = torch.rand(5, 2, generator=gen)
+            needed = index.unique().tolist()
+            engine.cache.preload([(layer, e) for e in needed])  # READY before the layer starts
+            waves_computed.clear()
+            with torch.inference_mode():
+                outputs[waves] = engine.runtime.forward(layer, module, hidden, index, weights)
+            assert engine.cache.pinned_keys() == set()
+            # waves: the whole layer in one PairsByExpert call; without waves, the one-pass kernel
+            assert waves_computed == ([needed] if waves else [])
+    assert torch.equal(outputs[True], outputs[False])
