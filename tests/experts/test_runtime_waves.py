@@ -37,6 +37,17 @@ def count_releases(engine) -> list:
     return calls
 
 
+def first_layer_inputs(engine, gen: torch.Generator, tokens: int) -> tuple:
+    """(layer, experts module, hidden [T, H], top_k_index [T, 2], top_k_weights [T, 2]) for the
+    engine's first MoE layer, drawn from ``gen``."""
+    layer = min(engine.runtime.layers)
+    module = engine.runtime.layers[layer].experts
+    n_experts = engine.runtime.layers[layer].num_experts
+    hidden = torch.randn(tokens, module.gate_up_proj.shape[-1], generator=gen)
+    index = torch.stack([torch.randperm(n_experts, generator=gen)[:2] for _ in range(tokens)])
+    return layer, module, hidden, index, torch.rand(tokens, 2, generator=gen)
+
+
 def test_a_layer_computed_in_waves_has_the_bits_of_one_pass(mixtral):
     gen = torch.Generator().manual_seed(0)
     outputs = {}
@@ -44,13 +55,8 @@ def test_a_layer_computed_in_waves_has_the_bits_of_one_pass(mixtral):
         with load(mixtral, "ondemand", SLOW, budget=0.5) as engine:
             engine.runtime.waves = waves
             releases = count_releases(engine)
-            layer = min(engine.runtime.layers)
-            module = engine.runtime.layers[layer].experts
-            n_experts = engine.runtime.layers[layer].num_experts
             gen.manual_seed(0)
-            hidden = torch.randn(6, module.gate_up_proj.shape[-1], generator=gen)
-            index = torch.stack([torch.randperm(n_experts, generator=gen)[:2] for _ in range(6)])
-            weights = torch.rand(6, 2, generator=gen)
+            layer, module, hidden, index, weights = first_layer_inputs(engine, gen, 6)
             for expert in index.unique().tolist()[::2]:  # half of them already copying, the rest on demand
                 engine.cache.prefetch(layer, expert)
             with torch.inference_mode():
@@ -86,13 +92,8 @@ def test_a_layer_whose_experts_are_all_ready_is_one_native_wave_with_the_bits_of
     for waves in (True, False):
         with load(mixtral, "ondemand", {"kind": "local"}, budget=0.5) as engine:
             engine.runtime.waves = waves
-            layer = min(engine.runtime.layers)
-            module = engine.runtime.layers[layer].experts
-            n_experts = engine.runtime.layers[layer].num_experts
             gen.manual_seed(1)
-            hidden = torch.randn(5, module.gate_up_proj.shape[-1], generator=gen)
-            index = torch.stack([torch.randperm(n_experts, generator=gen)[:2] for _ in range(5)])
-            weights = torch.rand(5, 2, generator=gen)
+            layer, module, hidden, index, weights = first_layer_inputs(engine, gen, 5)
             needed = index.unique().tolist()
             engine.cache.preload([(layer, e) for e in needed])  # READY before the layer starts
             waves_computed.clear()
