@@ -2,48 +2,57 @@
 memory, so every expert a copy thread moves is read and written through the bandwidth that
 decoding streams its weights through.
 
-Run: python scripts/copy_contention.py [--expert-mib 12] [--repeats 5]   (one thread, CPU, ~30 s)
+Run: python scripts/copy_contention.py [--expert-mib 12] [--paced-gbps 3] [--repeats 9]
+     (one thread, CPU, about 25 s)
 
-Times three single-thread workloads alone and while a second thread copies expert-sized tensors
-back to back (what the `local` link and an emulated link's copy thread do while a round runs):
-a streaming read of 192 MiB (a memory-bound step: fp32 experts), the INT4 draft's experts of 16
-widened-model steps (2 experts x 4 layers each, through ``Int4Experts`` of a random Mixtral with
-the widened model's shapes), and 256-element elementwise ops (dispatch-bound: norms,
-residuals). Then the same with a second thread running small matmuls (each op releases and
-retakes the GIL), for comparison. Each figure is the best of ``--repeats``; the ratio is
-with / alone.
+Times single-thread workloads alone and while a second thread copies expert-sized tensors back
+to back (what the `local` link's copy thread does while a round runs), copies them paced to
+``--paced-gbps`` (an emulated link's copy thread: ``stream_copy.paced_copy``, where Specter's
+native kernels build), or runs small matmuls (each op releases and retakes the GIL), for
+comparison. Workloads: a streaming read of 192 MiB (a memory-bound step), the fp32 experts of a
+verification wave (``glu_expert_pairs``, two tokens an expert, 24 widened-model experts cycled on
+huge pages, where the native kernels build), the INT4 draft's experts of 16 widened-model steps
+(2 experts x 4 layers each, through ``Int4Experts`` of a random Mixtral with the widened model's
+shapes), and 256-element elementwise ops (dispatch-bound: norms, residuals). Each figure is the
+median of ``--repeats`` (the best of them hides the contention: a repeat that ran while the other
+thread happened to wait looks like none); the ratio is with / alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import threading
 import time
 from typing import Callable
 
 import torch
 
+from specter import native
 from specter.kernels.int4_experts import quantize_model_experts
+from specter.memory import huge_pages, stream_copy
 from specter.testing.zoo import random_model
 
 torch.set_num_threads(1)
 HIDDEN, INTER, EXPERTS, LAYERS, TOP_K = 256, 4096, 16, 4, 2  # the widened model's shapes
 
 
-def best_ms(call: Callable[[], None], repeats: int) -> float:
+def median_ms(call: Callable[[], None], repeats: int) -> float:
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         call()
         samples.append((time.perf_counter() - start) * 1e3)
-    return min(samples)
+    return statistics.median(samples)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--expert-mib", type=float, default=12.0, help="bytes of one copied expert")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--paced-gbps", type=float, default=3.0, help="the paced copy thread's rate")
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
+    has_native = native.available()
 
     big = torch.randn(192 * 1024 * 1024 // 4)
     model = random_model("mixtral", hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS,
@@ -67,17 +76,37 @@ def main() -> None:
         for _ in range(5000):
             y = y * 1.0001
 
-    workloads = {"streaming read, 192 MiB": stream, "INT4 draft experts, 16 steps": draft_experts,
-                 "256-element ops x 5000": tiny_ops}
+    workloads = {"streaming read, 192 MiB": stream}
+    if has_native:
+        gate_up = huge_pages.zeros((24, 2 * INTER, HIDDEN), torch.float32).normal_(0, 0.02)
+        down = huge_pages.zeros((24, HIDDEN, INTER), torch.float32).normal_(0, 0.02)
+        rows, pair_weights = torch.randn(16, HIDDEN), torch.rand(32)
+        pairs_out = torch.zeros(32, HIDDEN)
+
+        def fp32_experts() -> None:
+            for expert in range(24):
+                torch.ops.specter_native.glu_expert_pairs(pairs_out, rows, gate_up, down, pair_weights, TOP_K,
+                                                          [expert], [0, 2], [0, 1])
+        workloads["fp32 expert GLU x 24, 2 tokens"] = fp32_experts
+    workloads.update({"INT4 draft experts, 16 steps": draft_experts, "256-element ops x 5000": tiny_ops})
     stop = threading.Event()
     numel = int(args.expert_mib * 1024 * 1024 / 4)
 
-    def copier() -> None:
+    def copier(gbps: float | None = None) -> None:
         sources = [torch.randn(numel) for _ in range(4)]
         destination = torch.empty(numel)
+        seconds = numel * 4 / (gbps * 1e9) if gbps else 0.0
         i = 0
         while not stop.is_set():
-            destination.copy_(sources[i % len(sources)])
+            source = sources[i % len(sources)]
+            if gbps and has_native:
+                stream_copy.paced_copy(destination, source, seconds)
+            elif gbps:
+                started = time.perf_counter()
+                destination.copy_(source)
+                time.sleep(max(0.0, seconds - (time.perf_counter() - started)))
+            else:
+                destination.copy_(source)
             i += 1
 
     def matmuls() -> None:
@@ -85,22 +114,23 @@ def main() -> None:
         while not stop.is_set():
             a @ a
 
-    alone = {name: best_ms(call, args.repeats) for name, call in workloads.items()}
-    print(f"{'workload':32s} {'alone ms':>9s} {'+copy thread':>13s} {'+matmul thread':>15s}")
+    alone = {name: median_ms(call, args.repeats) for name, call in workloads.items()}
+    backgrounds = {"+copy thread": copier, f"+paced {args.paced_gbps:g} GB/s": lambda: copier(args.paced_gbps),
+                   "+matmul thread": matmuls}
+    print(f"{'workload':32s} {'alone ms':>9s}" + "".join(f" {label:>21s}" for label in backgrounds))
     beside = {}
-    for label, background in (("copy", copier), ("matmul", matmuls)):
+    for label, background in backgrounds.items():
         stop.clear()
         thread = threading.Thread(target=background, daemon=True)
         thread.start()
         time.sleep(0.1)
-        beside[label] = {name: best_ms(call, args.repeats) for name, call in workloads.items()}
+        beside[label] = {name: median_ms(call, args.repeats) for name, call in workloads.items()}
         stop.set()
         thread.join()
     for name, ms in alone.items():
-        print(f"{name:32s} {ms:9.2f} {beside['copy'][name]:8.2f} ({beside['copy'][name] / ms:.2f}x)"
-              f" {beside['matmul'][name]:9.2f} ({beside['matmul'][name] / ms:.2f}x)")
-    print(f"(copy thread: {args.expert_mib:g} MiB tensors back to back; one torch thread each)")
-
+        print(f"{name:32s} {ms:9.2f}" + "".join(f" {beside[label][name]:12.2f} ({beside[label][name] / ms:.2f}x)"
+                                                for label in backgrounds))
+    print(f"(copy threads: {args.expert_mib:g} MiB tensors, back to back or paced; one torch thread each)")
 
 if __name__ == "__main__":
     main()
