@@ -33,6 +33,8 @@ from specter.policies.lru import LRUPolicy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fresh_expert_reads import EXPERTS, HIDDEN, widened_experts  # noqa: E402  (a sibling script)
 
+WARM_REPEATS = 10  # dropped from every median
+
 LAYERS, SLOTS = 4, 16
 
 
@@ -61,6 +63,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
+    if args.repeats <= WARM_REPEATS:
+        parser.error(f"--repeats must be more than {WARM_REPEATS} (the first {WARM_REPEATS} are dropped as warm-up)")
     gate_up, down = widened_experts()
     x, out, weights = torch.randn(args.rows, HIDDEN), torch.empty(args.rows, HIDDEN), torch.ones(args.rows)
     small = torch.randn(64, HIDDEN)
@@ -75,13 +79,13 @@ def main() -> None:
         "after a small kernel": lambda repeat: small.sum(),
         "after the wave kernel": wave_kernel,
     }
-    print(f"the cache's acquire + await_any + release of two READY experts, medians of {args.repeats - 10}")
+    print(f"the cache's acquire + await_any + release of two READY experts, medians of {args.repeats - WARM_REPEATS}")
     for name, run_before in before.items():
         samples = []
         for repeat in range(args.repeats):
             run_before(repeat)
             samples.append(wave_bookkeeping(cache, repeat))
-        print(f"  {name:24s} {statistics.median(samples[10:]) * 1e6:7.1f} us")
+        print(f"  {name:24s} {statistics.median(samples[WARM_REPEATS:]) * 1e6:7.1f} us")
 
 
 if __name__ == "__main__":
