@@ -13,7 +13,8 @@ listed under its table.
 Then, when there is something to show: "Where the time goes (specter rows)", one table row per
 specter row with ``phases`` (draft step against resident's target step of the same compile mode,
 a step with no transfer in it, else the cell's ondemand step; verification's compute per expert
-read against that step per expert read, i.e. ``decode_step_s / (top_k * n_moe_layers)``; each
+read against that step per expert read, i.e. ``decode_step_s / (top_k * n_moe_layers)``, and
+the part of it in the expert kernels where measured (a CPU's host-computed experts); each
 phase's share of the round; the prefetch mode its last run ended in, ``(auto)`` when
 ``offload.prefetch: auto`` chose it),
 and "Governor", one row per row whose ``governor_summary`` names a governor other than ``fixed``,
@@ -159,7 +160,8 @@ def _order(declared: Iterable, seen: Iterable) -> list:
 
 PHASE_COLUMNS = (
     "label", "budget", "link", "compile", "rounds", "draft step ms", "draft / target step", "verify ms/round",
-    "verify tok/round", "distinct experts/layer", "verify ms/expert read", "single-step ms/expert read",
+    "verify tok/round", "distinct experts/layer", "verify ms/expert read", "of it kernels",
+    "single-step ms/expert read",
     "verify / single-step", "draft share", "verify share", "host share", "prefetch at the end",
 )
 GOVERNOR_COLUMNS = ("label", "cell", "k histogram", "prediction error", "probes", "rounds cut at prompt end")
@@ -197,7 +199,7 @@ def phase_table(bench: dict) -> list[str]:
             fmt.num(fmt.mul(phases.get("verify_s_per_round"), 1e3), 2),
             fmt.num(phases.get("verify_tokens_per_round"), 2),
             fmt.num(phases.get("distinct_experts_per_layer"), 2), fmt.num(fmt.mul(verify_expert, 1e3), 3),
-            fmt.num(fmt.mul(per_expert, 1e3), 3), fmt.ratio(fmt.div(verify_expert, per_expert)),
+            fmt.num(fmt.mul(phases.get("verify_kernel_s_per_expert"), 1e3), 3), fmt.num(fmt.mul(per_expert, 1e3), 3), fmt.ratio(fmt.div(verify_expert, per_expert)),
             *(fmt.share(fmt.div(phases.get(key), total)) for key in ("draft_s", "verify_s", "host_s")),
             _prefetch_cell(row.get("prefetch")),
         ))

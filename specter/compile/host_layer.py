@@ -15,7 +15,8 @@ Contract:
     into their slots at once, as on the eager path, where a layer's slots are free before the next
     layer starts), acquires the row's (``ExpertCache.acquire``: waits for their transfers, loads
     misses) and returns the slot table row [E] int64 (the slot of every expert, -1 where absent)
-    for the graph to read; the last row is released when the block ends. A row needing more
+    for the graph to read (counted in the runtime's ``layers_computed_in_graph``); the last row is
+    released when the block ends. A row needing more
     experts than the cache holds is not acquired: the graph sees them missing and the step reruns
     layered. ``fits(num_tokens)``: whether every layer of a step over that many tokens can be
     acquired at once (tokens x top-k <= cache slots); the decoder runs other steps layered.
@@ -161,6 +162,7 @@ class LayerHost:
             return self.runtime.forward(row, self.modules[row], x, top_k_index, top_k_weights)
         self._release_held()  # the graph is past the previous layer: its slots are free for streaming
         self.runtime.notify(row, x, top_k_index, top_k_weights)
+        self.runtime.layers_computed_in_graph += 1
         experts = top_k_index.unique().tolist()
         if len(experts) <= self.cache.capacity:
             self.cache.acquire(row, experts)

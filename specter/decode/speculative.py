@@ -301,7 +301,8 @@ class SpecterEngine(PrefetchingEngine):
         drafted_at = time.perf_counter()
         self.scheduler.flush()
         flushed_at = time.perf_counter()
-        wait_before = self.cache.stats.transfer_wait_s
+        wait_before, kernel_before = self.cache.stats.transfer_wait_s, self.runtime.kernel_s
+        in_graph_before = self.runtime.layers_computed_in_graph
         verify_ids = torch.tensor([[token] + drafted], device=self.device)  # [1, k+1]
         target_logits = self.forward_logits(verify_ids, kv)  # [k+1, V]
         synchronize(self.device)
@@ -326,12 +327,15 @@ class SpecterEngine(PrefetchingEngine):
                        draft_steps=0 if self.predictor.drafts_tokens else self._draft_steps(k),
                        experts_read=experts_read, draft_issue_s=draft_issue_s,
                        verify_io_wait_s=self.cache.stats.transfer_wait_s - wait_before)
+        # a layer computed inside a compiled graph hides its kernels' time: then none is reported
+        kernels_measured = kernel_before is not None and self.runtime.layers_computed_in_graph == in_graph_before
+        verify_kernel_s = self.runtime.kernel_s - kernel_before if kernels_measured else None
         timings["host_s"] = total - timings["draft_s"] - timings["flush_s"] - timings["verify_s"]
         if judged and timings["draft_steps"]:
             # a compiled draft path is judged by the round: copies its predictions started late
             # are waited for in verification
             self.compiled.end_draft_round((timings["draft_s"] + timings["verify_io_wait_s"]) / timings["draft_steps"])
-        metrics.observe_round(total_s=total, verify_tokens=k + 1, **timings)
+        metrics.observe_round(total_s=total, verify_tokens=k + 1, verify_kernel_s=verify_kernel_s, **timings)
         metrics.observe_draft(k, result.accepted)
         # a compiled path tried against the odds this round: its times are the trial's, not the path's
         path_trial = self.compiled is not None and self.compiled.chooser.trials != trials_before

@@ -28,6 +28,11 @@ Contract:
   (``PairsByExpert``), and takes that path when every expert is READY at once too (one wave);
   other gates sort them by slot (``PairsBySlot``), or run one pass when nothing copies. ``overlap_s``
   adds up the seconds of waves computed while later experts of their layer were still copying.
+- ``kernel_s`` adds up the seconds spent in target-mode expert kernels (waves and one passes, the
+  routing's slot lookup and the final sum left out) where the cache's slots are on a CPU, whose
+  kernels return when done; None on other devices (their kernels run asynchronously).
+  ``layers_computed_in_graph`` counts the target layers a compiled graph computed from the slots
+  itself (``specter.compile.host_layer``'s slot rows): their kernels' time is not in ``kernel_s``.
 - When a layer needs more distinct experts than the cache has slots (a long prefill), the experts
   are streamed through the slots in chunks; chunk outputs are summed per token.
 - Outside inference mode with inputs that require grad, a layer computes from a copy of its slots
@@ -134,6 +139,9 @@ class ExpertRuntime:
         self.waves = True  # see _compute_in_waves; False: one wait for all of a layer's experts
         self.on_release: Callable[[int, list[int]], None] | None = None  # (layer, experts) freed mid-layer
         self.overlap_s = 0.0  # seconds of waves computed while later experts of their layer still copied
+        on_cpu = cache is not None and next(iter(cache.slots.values())).device.type == "cpu"
+        self.kernel_s: float | None = 0.0 if on_cpu else None
+        self.layers_computed_in_graph = 0
 
     @contextlib.contextmanager
     def drafting(self) -> Iterator[None]:
@@ -196,8 +204,8 @@ class ExpertRuntime:
             wave = self.cache.await_any(layer, pending)
             silu_glu = self._silu_glu[layer]
             if len(wave) == len(experts) and not silu_glu:  # nothing was loading: one pass
-                return _grouped_experts_forward(view, hidden, self._pair_slots(layer, experts, slots, top_k_index),
-                                                top_k_weights)
+                return self._one_pass(view, hidden, self._pair_slots(layer, experts, slots, top_k_index),
+                                      top_k_weights)
             slot_of = dict(zip(experts, slots))
             if silu_glu:
                 by_expert = PairsByExpert(hidden, top_k_index, top_k_weights)
@@ -211,6 +219,7 @@ class ExpertRuntime:
             while True:
                 started = time.perf_counter()
                 compute(wave)
+                self._add_kernel_time(started)
                 self.cache.release(layer, wave)
                 pending = [e for e in pending if e not in wave]
                 if not pending:
@@ -243,10 +252,20 @@ class ExpertRuntime:
                 view = SlotView(self.layers[layer].experts,
                                 {name: buffer.index_select(0, slot_ids) for name, buffer in self.cache.slots.items()})
                 slots = list(range(len(slots)))
-            return _grouped_experts_forward(view, hidden, self._pair_slots(layer, experts, slots, top_k_index),
-                                            top_k_weights)
+            return self._one_pass(view, hidden, self._pair_slots(layer, experts, slots, top_k_index), top_k_weights)
         finally:
             self.cache.release(layer, experts)
+
+    def _one_pass(self, view: SlotView, hidden: torch.Tensor, pair_slots: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        output = _grouped_experts_forward(view, hidden, pair_slots, top_k_weights)
+        self._add_kernel_time(started)
+        return output
+
+    def _add_kernel_time(self, started: float) -> None:
+        if self.kernel_s is not None:
+            self.kernel_s += time.perf_counter() - started
 
 
 def install(model: nn.Module, runtime: ExpertRuntime) -> None:

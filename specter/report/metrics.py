@@ -48,18 +48,22 @@ class GenerationMetrics:
 
     def observe_round(self, *, draft_s: float, flush_s: float, verify_s: float, host_s: float, total_s: float,
                       draft_steps: int, verify_tokens: int, experts_read: int, verify_io_wait_s: float,
-                      draft_issue_s: float = 0.0) -> None:
+                      draft_issue_s: float = 0.0, verify_kernel_s: float | None = None) -> None:
         """Phase timings of one speculation round: drafting (``draft_issue_s`` of it spent issuing
         prefetches: a synchronous link copies there), flushing prefetches, the verification forward
-        (its transfer wait included: ``verify_io_wait_s``), and the rest (host work)."""
+        (its transfer wait included: ``verify_io_wait_s``; its expert kernels' time, where measured,
+        ``verify_kernel_s``), and the rest (host work)."""
         self.phases.update(rounds=1, draft_s=draft_s, flush_s=flush_s, verify_s=verify_s, host_s=host_s,
                            round_s=total_s, draft_steps=draft_steps, verify_tokens=verify_tokens,
                            experts_read=experts_read, verify_io_wait_s=verify_io_wait_s, draft_issue_s=draft_issue_s)
+        if verify_kernel_s is not None:
+            self.phases.update(kernel_rounds=1, verify_kernel_s=verify_kernel_s)
 
     def phase_report(self, moe_layers: int) -> dict | None:
         """Totals and per-round means of the phases, the draft step's mean time (prefetch issuing
-        excluded) and the verification's compute time per distinct (layer, expert) it read (its
-        transfer wait excluded); None when no round was observed."""
+        excluded), the verification's compute time per distinct (layer, expert) it read (its
+        transfer wait excluded) and, where every round measured it, the part of it in the expert
+        kernels (``verify_kernel_s_per_expert``, else None); None when no round was observed."""
         p = self.phases
         if not p.get("rounds"):
             return None
@@ -73,6 +77,9 @@ class GenerationMetrics:
         out["distinct_experts_per_layer"] = p["experts_read"] / rounds / moe_layers if moe_layers else None
         compute = p["verify_s"] - p.get("verify_io_wait_s", 0)
         out["verify_compute_s_per_expert"] = compute / p["experts_read"] if p.get("experts_read") else None
+        kernels = p.get("verify_kernel_s") if p.get("kernel_rounds") == rounds else None
+        out["verify_kernel_s"] = kernels
+        out["verify_kernel_s_per_expert"] = kernels / p["experts_read"] if kernels is not None and p.get("experts_read") else None
         return out
 
     @property

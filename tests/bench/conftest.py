@@ -15,7 +15,7 @@ ROOFLINE = 17.0
 PHASES = {"rounds": 50, "draft_s": 1.0, "flush_s": 0.1, "verify_s": 2.5, "host_s": 0.4, "draft_steps": 200,
           "verify_tokens": 240, "experts_read": 900, "verify_io_wait_s": 0.3, "draft_step_s": 0.005,
           "verify_s_per_round": 0.05, "verify_tokens_per_round": 4.8, "distinct_experts_per_layer": 4.5,
-          "verify_compute_s_per_expert": 0.002}
+          "verify_compute_s_per_expert": 0.002, "verify_kernel_s_per_expert": 0.0015}
 TRACE = [4, 0, 1, 2, 3, 3, 3, 2, 3, 4, 3, 3]
 
 

@@ -132,23 +132,23 @@ def test_where_the_time_goes(bench):
     single_ms = resident["decode_step_s"] / (2 * 4) * 1e3  # top-2 x 4 MoE layers
     assert row[4:6] == ["50", "5.00"]
     assert row[6] == f"{0.005 / resident['decode_step_s']:.3f}" == "0.150"
-    assert row[7:11] == ["50.00", "4.80", "4.50", "2.000"]
-    assert row[11] == f"{single_ms:.3f}" == "4.167"
-    assert row[12] == "0.48x"
-    assert row[13:] == ["25.0%", "62.5%", "10.0%", "conservative (auto)"]
-    assert _phase_row(rows, "specter k=4", "25%", "fast")[16] == "aggressive (auto)"
-    assert _phase_row(rows, "specter k=4", "50%", "fast")[16] == "lazy"
+    assert row[7:12] == ["50.00", "4.80", "4.50", "2.000", "1.500"]  # verify ms/expert read, of it kernels
+    assert row[12] == f"{single_ms:.3f}" == "4.167"
+    assert row[13] == "0.48x"
+    assert row[14:] == ["25.0%", "62.5%", "10.0%", "conservative (auto)"]
+    assert _phase_row(rows, "specter k=4", "25%", "fast")[17] == "aggressive (auto)"
+    assert _phase_row(rows, "specter k=4", "50%", "fast")[17] == "lazy"
     compiled = _phase_row(rows, "specter roofline", "25%", "fast", "compiled")
-    assert compiled[12] == f"{2.0 / (1e3 / 36.0 / 8):.2f}x" == "0.58x"
+    assert compiled[13] == f"{2.0 / (1e3 / 36.0 / 8):.2f}x" == "0.58x"
 
 
 def test_where_the_time_goes_falls_back_to_the_cells_ondemand(bench):
     bench["rows"] = [r for r in bench["rows"] if r["label"] != "resident"]
     row = _phase_row(_phase_rows(markdown(bench)), "specter k=4", "25%", "slow")
-    assert row[6] == f"{0.005 * 12.5:.3f}" and row[11] == f"{1 / 12.5 / 8 * 1e3:.3f}"
+    assert row[6] == f"{0.005 * 12.5:.3f}" and row[12] == f"{1 / 12.5 / 8 * 1e3:.3f}"
     bench["rows"] = [r for r in bench["rows"] if r["label"] != "ondemand"]
     row = _phase_row(_phase_rows(markdown(bench)), "specter k=4", "25%", "slow")
-    assert row[6] == "-" and row[11:13] == ["-", "-"]
+    assert row[6] == "-" and row[12:14] == ["-", "-"]
 
 
 def test_governor_section(bench):
@@ -270,8 +270,8 @@ def test_extra_sections_tolerate_missing_fields(bench):
     text = markdown(bench)
     phase_rows = _phase_rows(text)
     assert len(phase_rows) == len(specter) - 1
-    assert phase_rows[0][4:] == ["3"] + ["-"] * 12
-    assert all(row[6] == "-" and row[11] == "-" for row in phase_rows)
+    assert phase_rows[0][4:] == ["3"] + ["-"] * 13
+    assert all(row[6] == "-" and row[12] == "-" for row in phase_rows)
     governor = _sections(text)["Governor"]
     assert "| specter roofline (roofline) | 25% / fast / eager | - | - | 5 | 2 |" in governor
     assert any(line.startswith("| specter roofline (roofline) | 25% / slow / eager |") and line.endswith("| 1 | - |")

@@ -257,14 +257,17 @@ def test_a_fused_step_frees_the_previous_layers_slots_before_the_observers_hear_
     class Runtime:
         cache = Cache()
         layers = {0: type("Layer", (), {"top_k": 2})(), 1: type("Layer", (), {"top_k": 2})()}
+        layers_computed_in_graph = 0
 
         def notify(self, row, x, top_k_index, top_k_weights):
             log.append(("notify", row))
 
-    host = host_layer.LayerHost(Runtime(), [None, None], computes=False)
+    runtime = Runtime()
+    host = host_layer.LayerHost(runtime, [None, None], computes=False)
     x, weights = torch.zeros(1, 4), torch.ones(1, 2)
     with host.live():
         host(0, x, torch.tensor([[0, 3]]), weights)
         host(1, x, torch.tensor([[5, 1]]), weights)
     assert log == [("notify", 0), ("acquire", 0, [0, 3]), ("release", 0, [0, 3]), ("notify", 1),
                    ("acquire", 1, [1, 5]), ("release", 1, [1, 5])]
+    assert runtime.layers_computed_in_graph == 2  # the graph computed both layers: no kernel time for the host

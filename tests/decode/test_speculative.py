@@ -174,6 +174,9 @@ def test_report_fields_of_a_specter_run(checkpoints):
     assert device_bytes["draft"] < all_expert_bytes / 2  # INT4 (plus scales) is well under half of fp32
     assert report["new_tokens"] == sum(len(o["token_ids"]) for o in report["outputs"]) == MAX_NEW * len(PROMPTS)
     assert report["draft"]["bits"] == 4
+    phases = report["phases"]  # on a CPU the verification's expert kernels are timed, inside its compute time
+    assert 0.0 < phases["verify_kernel_s"] < phases["verify_s"] - phases["verify_io_wait_s"]
+    assert phases["verify_kernel_s_per_expert"] == pytest.approx(phases["verify_kernel_s"] / phases["experts_read"])
 
 
 @pytest.mark.parametrize("link, routing_step", [({"kind": "local", "options": {"copy_thread": False}}, False),
