@@ -26,6 +26,7 @@ RUNS = {
     "int4_kernels.py": ["--shapes", "bundled", "--weights", "4"],
     "memory_placement.py": ["--buffers", "2", "--mib", "16", "--repeats", "2"],
     "round_parts.py": ["recipes/bench-bundled.yaml", "--budget", "0.5", "--link", "fast", "--k", "2", "--repeats", "1"],
+    "verify_beside_copies.py": ["recipes/bench-bundled.yaml", "--budget", "0.5", "--k", "2", "--repeats", "1"],
     "wave_bookkeeping.py": ["--repeats", "12"],
 }
 
