@@ -32,6 +32,10 @@ Contract:
   They give every row the AVX2 form's bits, lane for lane, and read a weight row once for up to
   eight rows (AVX2: three or four); ``enabled`` switches them on or off process-wide (tests, A/B
   timings); returns whether they run now.
+- ``prefetch_min_rows(rows=None) -> int``: the fewest rows sharing a weight row for which the
+  float32 kernels prefetch that row in software (``PREFETCH_MIN_ROWS`` by default; fewer are left
+  to the hardware prefetcher: decode steps, most verification waves, the draft's norms and
+  projections); ``rows`` sets it process-wide (A/B timings). It never changes a result's bits.
 Why: on this project's CPU (one thread) MKL's ``x @ W^T`` for an [8192, 256] fp32 weight ran at
 6.2 GB/s for one row but 2.8-3.3 GB/s for 2-5 rows (it packs the weight first), and
 ``torch._grouped_mm`` over six experts of 1-2 rows each took 2.6 ms per expert's 12 MiB; this
@@ -51,6 +55,12 @@ from torch import Tensor
 from specter import native
 
 ALIGN = 16  # K must be a multiple of this (two 8-float vectors per step)
+# One thread, 2026-12-06, AMD EPYC VM, engines taking turns in one process (four runs each): widened
+# model, 50% `local`, tok/s from software prefetch from one row to from four: `resident` eager
+# 1.12x, compiled 1.27x; `specter` k = 4 eager 1.15x, compiled 1.14x, k = 8 compiled 1.10x, the
+# roofline compiled 1.12x, k = 32 0.99-1.04x; the bundled model (its experts in the L3) 0.98-1.10x
+# (eight runs). Kernel alone: csrc/rows_math.h.
+PREFETCH_MIN_ROWS = 4
 
 
 def serves(x: Tensor, *weights: Tensor) -> bool:
@@ -78,6 +88,14 @@ def wide_rows(enabled: bool | None = None) -> bool:
     """Whether two rows or more take the AVX-512 forms; ``enabled`` sets it first (see the module
     docstring). The native kernels must be available."""
     return bool(torch.ops.specter_native.wide_rows(-1 if enabled is None else int(enabled)))
+
+
+def prefetch_min_rows(rows: int | None = None) -> int:
+    """The fewest rows sharing a weight row that prefetch it in software; ``rows`` (>= 1) sets it
+    first (see the module docstring). The native kernels must be available."""
+    if rows is not None and rows < 1:
+        raise ValueError(f"prefetch_min_rows: rows must be at least 1, got {rows}")
+    return int(torch.ops.specter_native.prefetch_min_rows(0 if rows is None else rows))
 
 
 def normed_rows(h: Tensor, norm_weight: Tensor, eps: float, weights: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -83,6 +83,27 @@ def test_the_avx512_forms_give_every_row_the_avx2_bits(k: int, n: int) -> None:
 
 
 @needs_native
+def test_software_prefetch_never_changes_the_bits() -> None:
+    # groups of 1-9 rows over short and long weight rows (the one-row, AVX2 and AVX-512 forms)
+    assert native_rows.prefetch_min_rows() == native_rows.PREFETCH_MIN_ROWS
+    gen = torch.Generator().manual_seed(3)
+    counts = [1, 2, 3, 4, 5, 9]
+    ends = torch.tensor(counts).cumsum(0)
+    x = torch.randn(int(ends[-1]), 1024, generator=gen)
+    weights = [torch.randn(len(counts), n, k, generator=gen) for n, k in ((40, 256), (42, 1024))]
+    outputs = []
+    try:
+        for rows in (1, 1000):  # every group prefetches / none does
+            assert native_rows.prefetch_min_rows(rows) == rows
+            outputs.append([native_rows.grouped_rows(x[:, : w.shape[-1]].contiguous(), w, ends) for w in weights])
+    finally:
+        native_rows.prefetch_min_rows(native_rows.PREFETCH_MIN_ROWS)
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+    with pytest.raises(ValueError, match="at least 1"):
+        native_rows.prefetch_min_rows(0)
+
+
+@needs_native
 def test_bad_shapes_are_refused_with_the_reason() -> None:
     w = torch.randn(2, 8, 32)
     with pytest.raises(RuntimeError, match="ends\\[-1\\] must equal"):

@@ -57,7 +57,8 @@ void check_vector(const at::Tensor& v, int64_t n, const char* what) {
 void rows_of(const at::Tensor& w, const float* x, float* out) {
   const int64_t n = w.size(0), k = w.size(1);
   const float* wp = w.data_ptr<float>();
-  for (int64_t j = 0; j < n; ++j) dot_rows<1>(wp + j * k, x, k, out + j, 1);
+  const bool prefetch = specter_rows::prefetch_for(1);
+  for (int64_t j = 0; j < n; ++j) dot_rows<1>(wp + j * k, x, k, out + j, 1, prefetch);
 }
 
 // Each of `heads` rows of d values: RMS-normed by `norm` (when given), then rotated.

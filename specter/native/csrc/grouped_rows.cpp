@@ -38,12 +38,12 @@ using specter_rows::kPrefetchFloats;
 // share each load of x, which for long rows (K >= kQuadK) comes from L2, not L1 (12 accumulators,
 // 4 weight vectors and one x vector fill the 16 AVX2 registers at R = 3).
 template <int R>
-inline void dot_rows_quad(const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
+inline void dot_rows_quad(const float* w, const float* x, int64_t k, float* out, int64_t ldo, bool prefetch) {
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q) a[r][q] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; i += 8) {
-    if ((i & 15) == 0)
+    if (prefetch && (i & 15) == 0)
       for (int q = 0; q < 4; ++q) _mm_prefetch(reinterpret_cast<const char*>(w + q * k + i + kPrefetchFloats), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + k + i);
     const __m256 w2 = _mm256_loadu_ps(w + 2 * k + i), w3 = _mm256_loadu_ps(w + 3 * k + i);
@@ -70,23 +70,23 @@ constexpr int64_t kQuadK = 1024;
 // Up to four rows against one short weight row; three go as two and one (dot_rows<3> ran slower
 // than <2> then <1> re-reading the weight row from L1: 24 [8192, 256] weights cycled, 0.54-0.56
 // against 0.59-0.63 ms). Every row's arithmetic is dot_rows' whatever the split.
-void dot_any(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
+void dot_any(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo, bool prefetch) {
   switch (rows) {
-    case 1: dot_rows<1>(w, x, k, out, ldo); break;
-    case 2: dot_rows<2>(w, x, k, out, ldo); break;
+    case 1: dot_rows<1>(w, x, k, out, ldo, prefetch); break;
+    case 2: dot_rows<2>(w, x, k, out, ldo, prefetch); break;
     case 3:
-      dot_rows<2>(w, x, k, out, ldo);
-      dot_rows<1>(w, x + 2 * k, k, out + 2 * ldo, ldo);
+      dot_rows<2>(w, x, k, out, ldo, prefetch);
+      dot_rows<1>(w, x + 2 * k, k, out + 2 * ldo, ldo, prefetch);
       break;
-    default: dot_rows<4>(w, x, k, out, ldo); break;
+    default: dot_rows<4>(w, x, k, out, ldo, prefetch); break;
   }
 }
 
-void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
+void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo, bool prefetch) {
   switch (rows) {
-    case 1: dot_rows_quad<1>(w, x, k, out, ldo); break;
-    case 2: dot_rows_quad<2>(w, x, k, out, ldo); break;
-    default: dot_rows_quad<3>(w, x, k, out, ldo); break;
+    case 1: dot_rows_quad<1>(w, x, k, out, ldo, prefetch); break;
+    case 2: dot_rows_quad<2>(w, x, k, out, ldo, prefetch); break;
+    default: dot_rows_quad<3>(w, x, k, out, ldo, prefetch); break;
   }
 }
 
@@ -106,37 +106,40 @@ bool wide_supported() {
 }
 
 SPECTER_AVX512 void rows_times_weight_wide(const float* xp, int64_t start, int64_t end, const float* wg,
-                                           int64_t begin, int64_t stop, int64_t k, int64_t n, float* op) {
+                                           int64_t begin, int64_t stop, int64_t k, int64_t n, float* op,
+                                           bool prefetch) {
   using specter_rows::kWideRows;
   int64_t j = begin;
   if (k >= kQuadK)
     for (; j + 3 < stop; j += 4)
       for (int64_t r = start; r < end; r += kWideRows)
         specter_rows::quad16_any(static_cast<int>(std::min<int64_t>(kWideRows, end - r)), wg + j * k, xp + r * k, k,
-                                 op + r * n + j, n);
+                                 op + r * n + j, n, prefetch);
   for (; j < stop; ++j)
     for (int64_t r = start; r < end; r += kWideRows)
       specter_rows::dot16_any(static_cast<int>(std::min<int64_t>(kWideRows, end - r)), wg + j * k, xp + r * k, k,
-                              op + r * n + j, n);
+                              op + r * n + j, n, prefetch);
 }
 
 // Rows start .. end of x [P, k] times the weight wg [n, k]^T into out [P, n].
 void rows_times_weight(const float* xp, int64_t start, int64_t end, const float* wg, int64_t n, int64_t k,
                        float* op) {
   const bool wide = end - start >= 2 && wide_enabled.load(std::memory_order_relaxed) && wide_supported();
+  const bool prefetch = specter_rows::prefetch_for(end - start);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t stop) {
     if (wide) {
-      rows_times_weight_wide(xp, start, end, wg, begin, stop, k, n, op);
+      rows_times_weight_wide(xp, start, end, wg, begin, stop, k, n, op, prefetch);
       return;
     }
     int64_t j = begin;
     if (k >= kQuadK)
       for (; j + 3 < stop; j += 4)
         for (int64_t r = start; r < end; r += 3)
-          dot_any_quad(static_cast<int>(std::min<int64_t>(3, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n);
+          dot_any_quad(static_cast<int>(std::min<int64_t>(3, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n,
+                       prefetch);
     for (; j < stop; ++j)
       for (int64_t r = start; r < end; r += 4)
-        dot_any(static_cast<int>(std::min<int64_t>(4, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n);
+        dot_any(static_cast<int>(std::min<int64_t>(4, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n, prefetch);
   });
 }
 
@@ -265,11 +268,12 @@ std::tuple<at::Tensor, at::Tensor> normed_rows(const at::Tensor& h, const at::Te
   float* xp = normed.data_ptr<float>();
   specter_rows::rms_norm_row(hp, nw, k, eps, xp);
   float* op = out.data_ptr<float>();
+  const bool prefetch = specter_rows::prefetch_for(1);
   for (const at::Tensor& w : weights) {
     const float* wp = w.data_ptr<float>();
     const int64_t n = w.size(0);
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t stop) {
-      for (int64_t j = begin; j < stop; ++j) dot_rows<1>(wp + j * k, xp, k, op + j, 1);
+      for (int64_t j = begin; j < stop; ++j) dot_rows<1>(wp + j * k, xp, k, op + j, 1, prefetch);
     });
     op += n;
   }
@@ -283,8 +287,16 @@ int64_t wide_rows(int64_t mode) {
   return wide_enabled.load() && wide_supported() ? 1 : 0;
 }
 
+// prefetch_min_rows(rows): the fewest rows sharing a weight row for which the float32 row kernels
+// prefetch it in software (rows_math.h; rows >= 1 sets it, else unchanged); returns it now.
+int64_t prefetch_min_rows(int64_t rows) {
+  if (rows >= 1) specter_rows::prefetch_min_rows.store(rows);
+  return specter_rows::prefetch_min_rows.load();
+}
+
 TORCH_LIBRARY_FRAGMENT(specter_native, m) {
   m.def("wide_rows(int mode) -> int", &wide_rows);  // no tensor: one kernel for every backend
+  m.def("prefetch_min_rows(int rows) -> int", &prefetch_min_rows);
   m.def("grouped_rows(Tensor x, Tensor w, Tensor ends) -> Tensor");
   m.def("normed_rows(Tensor h, Tensor norm_weight, float eps, Tensor[] weights) -> (Tensor, Tensor)");
   m.def("glu_expert_pairs(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor down, Tensor weights, int top_k, "
