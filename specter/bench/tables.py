@@ -199,7 +199,8 @@ def phase_table(bench: dict) -> list[str]:
             fmt.num(fmt.mul(phases.get("verify_s_per_round"), 1e3), 2),
             fmt.num(phases.get("verify_tokens_per_round"), 2),
             fmt.num(phases.get("distinct_experts_per_layer"), 2), fmt.num(fmt.mul(verify_expert, 1e3), 3),
-            fmt.num(fmt.mul(phases.get("verify_kernel_s_per_expert"), 1e3), 3), fmt.num(fmt.mul(per_expert, 1e3), 3), fmt.ratio(fmt.div(verify_expert, per_expert)),
+            fmt.num(fmt.mul(phases.get("verify_kernel_s_per_expert"), 1e3), 3),
+            fmt.num(fmt.mul(per_expert, 1e3), 3), fmt.ratio(fmt.div(verify_expert, per_expert)),
             *(fmt.share(fmt.div(phases.get(key), total)) for key in ("draft_s", "verify_s", "host_s")),
             _prefetch_cell(row.get("prefetch")),
         ))

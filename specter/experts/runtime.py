@@ -139,8 +139,7 @@ class ExpertRuntime:
         self.waves = True  # see _compute_in_waves; False: one wait for all of a layer's experts
         self.on_release: Callable[[int, list[int]], None] | None = None  # (layer, experts) freed mid-layer
         self.overlap_s = 0.0  # seconds of waves computed while later experts of their layer still copied
-        on_cpu = cache is not None and next(iter(cache.slots.values())).device.type == "cpu"
-        self.kernel_s: float | None = 0.0 if on_cpu else None
+        self.kernel_s: float | None = 0.0 if cache is not None and cache.device.type == "cpu" else None
         self.layers_computed_in_graph = 0
 
     @contextlib.contextmanager
