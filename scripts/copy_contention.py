@@ -132,5 +132,6 @@ def main() -> None:
                                                 for label in backgrounds))
     print(f"(copy threads: {args.expert_mib:g} MiB tensors, back to back or paced; one torch thread each)")
 
+
 if __name__ == "__main__":
     main()

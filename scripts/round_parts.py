@@ -32,7 +32,7 @@ from typing import Iterator
 
 import torch
 
-from specter.bench.spec import load_bench
+from specter.bench.spec import fixed_k_overrides, load_bench
 from specter.build import build_engine
 from specter.compile import lean_draft
 from specter.decode.speculative import SpecterEngine
@@ -157,8 +157,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = load_bench(args.recipe)
-    engine = build_engine(spec.cell_recipe("specter", args.budget, args.link, args.compiled, [
-        "speculation.governor.name=fixed", f"speculation.governor.k={args.k}", "speculation.governor.options={}"]))
+    engine = build_engine(spec.cell_recipe("specter", args.budget, args.link, args.compiled, fixed_k_overrides(args.k)))
     prompts = spec.recipe.resolved_prompts()
     engine.generate(prompts[:1], max_new_tokens=48)  # warm-up (and compilation)
     result = measure(engine, prompts, args.repeats)

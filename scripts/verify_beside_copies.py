@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from specter.bench.spec import load_bench
+from specter.bench.spec import fixed_k_overrides, load_bench
 from specter.build import build_engine
 
 ENGINES = ("resident", "copies beside", "copies before")
@@ -47,7 +47,7 @@ def main() -> None:
         parser.error("--repeats must be at least 1")
     torch.set_num_threads(1)
     spec = load_bench(args.recipe)
-    fixed = ["speculation.governor.name=fixed", f"speculation.governor.k={args.k}", "speculation.governor.options={}"]
+    fixed = fixed_k_overrides(args.k)
     engines = {
         "resident": build_engine(spec.cell_recipe("resident", None, None, args.compiled)),
         **{name: build_engine(spec.cell_recipe("specter", args.budget, None, args.compiled, fixed + [

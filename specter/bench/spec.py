@@ -23,7 +23,9 @@ first: how far apart two copies of one engine land in a cell is the run's noise 
 A file without ``run``/``sweep`` is a plain run recipe: it is benched as one cell (its own
 budget, link, k and compile setting) with the default engines. ``overrides`` (``key=value``)
 apply to the run recipe; ``sweep_overrides`` (a mapping) replace sweep keys. Every mistake raises
-``RecipeError`` naming the key (``sweep.budgets[1]: ...``).
+``RecipeError`` naming the key (``sweep.budgets[1]: ...``). ``fixed_k_overrides(k)``: the run
+recipe overrides of a ``specter`` row that always drafts k (the sweep's ``specter k=<k>`` rows;
+scripts that build one cell's engine take them too).
 """
 
 from __future__ import annotations
@@ -63,9 +65,7 @@ class BenchSpec:
 
     def specter_variants(self) -> list[tuple[str, list[str], int | None, str]]:
         """(label, recipe overrides, k, governor) of every specter row."""
-        # a fixed row takes none of the recipe's governor options (they are the other governors')
-        variants = [(f"specter k={k}", ["speculation.governor.name=fixed", f"speculation.governor.k={k}",
-                                        "speculation.governor.options={}"], k, "fixed") for k in self.k]
+        variants = [(f"specter k={k}", fixed_k_overrides(k), k, "fixed") for k in self.k]
         variants += [(f"specter {g}", [f"speculation.governor.name={g}"], None, g) for g in self.governors]
         return variants
 
@@ -87,6 +87,11 @@ class BenchSpec:
             "engines": list(self.engines), "budgets": list(self.budgets), "links": self.links, "k": list(self.k),
             "governors": list(self.governors), "compile": list(self.compile), "repeats": self.repeats,
             "warmup_tokens": self.warmup_tokens, "twins": list(self.twins)}}
+
+
+def fixed_k_overrides(k: int) -> list[str]:
+    # a fixed row takes none of the recipe's governor options (they are the other governors')
+    return ["speculation.governor.name=fixed", f"speculation.governor.k={k}", "speculation.governor.options={}"]
 
 
 def link_overrides(link: Mapping) -> list[str]:
