@@ -18,7 +18,7 @@ Contract:
   ``aten._weight_int4pack_mm`` (sm80+, same N and group rules, K % 32 == 0);
   ``"cpu-native"``: Specter's own kernel (``specter.kernels.int4_native``: int8-quantized
   activations, integer dot products, 2.2x PyTorch's CPU kernel for one row) where it builds on
-  this machine (needs K % 64 == 0, group_size % 64 == 0); preferred on CPU when it fits;
+  this machine (needs K % 64 == 0, group_size % 64 == 0, N % 8 == 0); preferred on CPU when it fits;
   ``"reference"``: two nibbles per byte, dequantized to the activation dtype then ``F.linear``
   (any shape; K is zero-padded to a whole number of groups). ``backend=`` forces one.
   Both int4pack kernels are "tinygemm" style: ``w = (u - 8) * scale + zero`` for u in [0, 15]
@@ -71,7 +71,7 @@ def quantize_symmetric(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]
 
 def choose_backend(n: int, k: int, group_size: int, device: torch.device) -> Backend:
     """The fastest backend that can hold an [n, k] weight on ``device``."""
-    if device.type == "cpu" and native_fits(k, group_size) and int4_native.available():
+    if device.type == "cpu" and native_fits(n, k, group_size) and int4_native.available():
         return "cpu-native"
     fits = n % 16 == 0 and k % group_size == 0 and group_size in KERNEL_GROUP_SIZES
     if device.type == "cpu" and fits:
@@ -81,9 +81,9 @@ def choose_backend(n: int, k: int, group_size: int, device: torch.device) -> Bac
     return "reference"
 
 
-def native_fits(k: int, group_size: int) -> bool:
+def native_fits(n: int, k: int, group_size: int) -> bool:
     """Whether an [n, k] weight in groups of ``group_size`` has the native kernel's layout."""
-    return k % int4_native.CHUNK == 0 and group_size % int4_native.CHUNK == 0 and k % group_size == 0
+    return int4_native.fits(n, k) and group_size % int4_native.CHUNK == 0 and k % group_size == 0
 
 
 def kernel_dtype(backend: Backend, activation_dtype: torch.dtype) -> torch.dtype:
@@ -128,7 +128,7 @@ class Int4Weight:
     (kernel's own order); cuda-int4pack int32
     [N/8, K/(16*tiles), 32, tiles/2]; reference uint8 [N, Kp/2], k even in the low nibble.
     ``scales``: int4pack backends [G, N, 2] bf16 (scale, zero = 0); cpu-native [N, G] float32
-    (bf16-rounded values); reference [N, G] bf16."""
+    (bf16-rounded values, in the kernel's blocks: ``int4_native.pack_scales``); reference [N, G] bf16."""
 
     backend: Backend
     shape: tuple[int, int]  # (N, K) of the original weight
@@ -168,10 +168,10 @@ class Int4Weight:
             reason = int4_native.unavailable_reason()
             if reason is not None:
                 raise ValueError(f"cpu-native INT4 kernel unavailable: {reason}")
-            if not native_fits(kp, group_size):
-                raise ValueError(f"cpu-native needs K and group_size multiples of {int4_native.CHUNK}, "
-                                 f"got K={kp}, group_size={group_size}")
-            return cls(backend, (n, in_features), group_size, int4_native.pack(q), scales.float().contiguous())
+            if not native_fits(n, kp, group_size):
+                raise ValueError(f"cpu-native needs K and group_size multiples of {int4_native.CHUNK} and N of "
+                                 f"{int4_native.BLOCK_ROWS}, got N={n}, K={kp}, group_size={group_size}")
+            return cls(backend, (n, in_features), group_size, int4_native.pack(q), int4_native.pack_scales(scales))
         scales_and_zeros = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1)  # [G, N, 2]
         scales_and_zeros = scales_and_zeros.to(SCALE_DTYPE).contiguous()
         u = q.to(torch.int32) + 8  # [N, K] in [0, 15]
@@ -212,7 +212,7 @@ class Int4Weight:
     def group_scales(self) -> Tensor:
         """Scales [N, G] bf16."""
         if self.backend == "cpu-native":
-            return self.scales.to(SCALE_DTYPE)
+            return int4_native.unpack_scales(self.scales).to(SCALE_DTYPE)
         return self.scales if self.backend == "reference" else self.scales[..., 0].t()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
