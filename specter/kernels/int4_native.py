@@ -23,8 +23,6 @@ Contract:
   rows as ``rows``, ``silu(gate) * up`` (gate = the first half; SiLU through a vectorised exp,
   within a few ulp of PyTorch's), the down rows as ``rows`` of that, times the slot's weight,
   summed over the slots in order.
-- ``vnni(enabled=None) -> bool``: whether the dot products take the AVX-512 VNNI form (the CPU's,
-  unless switched off; ``enabled`` sets it first); the results are the same bits either way.
 Measured (one thread, this project's 2-core AMD EPYC VM, 48 distinct weights cycled so they
 come from memory, ``scripts/int4_kernels.py``): rows one at a time (before 2026-12-06) an
 [8192, 256] weight 0.072-0.088 ms against 0.129-0.133 ms for PyTorch's
@@ -42,7 +40,7 @@ from torch import Tensor
 from specter.native import available, unavailable_reason
 
 __all__ = ["available", "unavailable_reason", "pack", "unpack", "pack_scales", "unpack_scales", "gemv", "rows",
-           "glu_token", "vnni", "CHUNK", "BLOCK_ROWS"]
+           "glu_token", "CHUNK", "BLOCK_ROWS"]
 
 CHUNK = 64  # values per int8 activation scale and per 32 packed bytes
 BLOCK_ROWS = 8  # rows interleaved together (csrc/int4_blocks.h)
@@ -91,12 +89,6 @@ def unpack_scales(packed_scales: Tensor) -> Tensor:
     n, groups = packed_scales.shape
     _check(n, CHUNK)
     return packed_scales.reshape(n // BLOCK_ROWS, groups, BLOCK_ROWS).transpose(1, 2).reshape(n, groups).contiguous()
-
-
-def vnni(enabled: bool | None = None) -> bool:
-    """Whether the dot products take the AVX-512 VNNI form; ``enabled`` sets it first (see the
-    docstring). ``available()`` must be True."""
-    return bool(torch.ops.specter_native.int4_vnni(-1 if enabled is None else int(enabled)))
 
 
 def gemv(x: Tensor, packed: Tensor, scales: Tensor, group: int) -> Tensor:

@@ -88,22 +88,6 @@ def test_the_kernel_computes_its_integer_arithmetic_whatever_the_rows_beside(k: 
     torch.testing.assert_close(got, float_reference, rtol=0.02, atol=0.02 * float_reference.abs().max().item())
 
 
-def test_the_vnni_form_gives_the_same_bits() -> None:
-    if not native.available():
-        pytest.skip(f"native kernels: {native.unavailable_reason()}")
-    if not int4_native.vnni():
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    torch.manual_seed(1)
-    q, scales, x = torch.randint(-8, 8, (64, 1024), dtype=torch.int8), torch.rand(64, 16) + 0.01, torch.randn(2, 1024)
-    packed, packed_scales = int4_native.pack(q), int4_native.pack_scales(scales)
-    try:
-        with_vnni = int4_native.gemv(x, packed, packed_scales, 64)
-        assert not int4_native.vnni(False)
-        assert torch.equal(int4_native.gemv(x, packed, packed_scales, 64), with_vnni)
-    finally:
-        int4_native.vnni(True)
-
-
 def _stacked(experts: int, n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(-8, 8, (experts, n, k), dtype=torch.int8, generator=gen)

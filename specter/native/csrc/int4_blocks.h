@@ -1,6 +1,5 @@
 // The INT4 x INT8 dot products of Specter's draft kernels (int4_gemv.cpp), for few-row activations
-// on x86 CPUs. Built with -mavx2 -mfma; the AVX-512 VNNI form (chosen at run time where the CPU has
-// it) has a target attribute.
+// on x86 CPUs. Built with -mavx2 -mfma.
 //
 // Weights: y[m, n] = sum_k x[m, k] * (u[n, k] - 8) * scales[n, k / group], u in [0, 15]. Each
 // 64-value chunk of a row is 32 bytes, byte j holding u[j] in its low nibble and u[j + 32] in its
@@ -14,8 +13,11 @@
 // Activations are quantized per chunk to int8 (symmetric, scale max|x| / 127). A chunk's integer
 // dot product is exact in int32 (64 * 15 * 127 < 2^24, so its float conversion is exact too), the
 // nibbles' "- 8" subtracted as 8 * sum(x chunk); the float accumulator of a row adds the chunks in
-// order, each as fma(float(isum), x_scale * w_scale). Both forms compute those integers (AVX2:
-// maddubs / madd; VNNI: dpbusd), so a row's result is the same bits on every CPU, in every block.
+// order, each as fma(float(isum), x_scale * w_scale): a row's result does not depend on the rows
+// beside it. An AVX-512 VNNI form (dpbusd, the same integers) ran no faster on this project's AMD
+// EPYC VM (one thread, 48 weights cycled: [8192, 256] 0.061-0.074 against 0.057-0.078 ms, [256,
+// 4096] 0.027-0.036 against 0.028-0.035, three runs; its 512-bit units are two 256-bit halves) and
+// was not kept.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -24,8 +26,6 @@
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "int4_blocks.h is built with -mavx2 -mfma (specter/native/__init__.py)"
 #endif
-
-#define SPECTER_VNNI __attribute__((target("avx512f,avx512vl,avx512vnni")))
 
 namespace specter_int4 {
 
@@ -87,9 +87,10 @@ inline void prefetch_block_chunk(const uint8_t* p) {
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + 64 * line), _MM_HINT_T0);
 }
 
-// Blocks [b0, b1) of (w, ws) against one row: out[8b .. 8b + 8).
-inline void blocks_avx2(const uint8_t* w, const float* ws, int64_t chunks, int64_t chunks_per_group, int64_t b0,
-                        int64_t b1, const XRow& x, float* out) {
+// Blocks [b0, b1) of (w, ws) against one row: out[8b .. 8b + 8). maddubs pairs a nibble (u8) with
+// an activation byte (s8): |15 * 127 * 2| fits int16 twice over, so nothing saturates.
+inline void blocks(const uint8_t* w, const float* ws, int64_t chunks, int64_t chunks_per_group, int64_t b0,
+                   int64_t b1, const XRow& x, float* out) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t groups = chunks / chunks_per_group;
   for (int64_t b = b0; b < b1; ++b) {
@@ -111,32 +112,6 @@ inline void blocks_avx2(const uint8_t* w, const float* ws, int64_t chunks, int64
     _mm256_storeu_ps(out + b * kBlockRows, acc);
   }
 }
-
-// blocks_avx2's integers through dpbusd (u8 x s8, four products a lane, no saturation): the same sums.
-SPECTER_VNNI inline void blocks_vnni(const uint8_t* w, const float* ws, int64_t chunks, int64_t chunks_per_group,
-                                     int64_t b0, int64_t b1, const XRow& x, float* out) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const int64_t groups = chunks / chunks_per_group;
-  for (int64_t b = b0; b < b1; ++b) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const uint8_t* p = w + (b * chunks + c) * kBlockChunkBytes;
-      prefetch_block_chunk(p);
-      const int32_t* xw = reinterpret_cast<const int32_t*>(x.q + c * kChunk);
-      __m256i from_low = _mm256_setzero_si256(), from_high = _mm256_setzero_si256();
-      for (int t = 0; t < 8; ++t) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * t));
-        from_low = _mm256_dpbusd_epi32(from_low, _mm256_and_si256(v, low), _mm256_set1_epi32(xw[t]));
-        from_high = _mm256_dpbusd_epi32(from_high, _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                        _mm256_set1_epi32(xw[8 + t]));
-      }
-      acc = add_chunk(acc, _mm256_add_epi32(from_low, from_high), x, c, ws + (b * groups + c / chunks_per_group) * kBlockRows);
-    }
-    _mm256_storeu_ps(out + b * kBlockRows, acc);
-  }
-}
-
-bool vnni_enabled();  // int4_gemv.cpp: where the CPU has AVX-512 VNNI, unless switched off
 
 // x [rows, K] quantized once; dots(r, w, ws, begin, end, out) = row r against weight rows [begin,
 // end) (multiples of kBlockRows) of the block layout (w [N, K/2], ws [N, K/group]).
@@ -160,8 +135,7 @@ struct QuantizedRows {
   void dots(int64_t r, const uint8_t* w, const float* ws, int64_t begin, int64_t end, float* out) const {
     const XRow x{q.data() + r * k, scale.data() + r * chunks, offset.data() + r * chunks};
     const int64_t b0 = begin / kBlockRows, b1 = end / kBlockRows;
-    if (vnni_enabled()) blocks_vnni(w, ws, chunks, chunks_per_group, b0, b1, x, out);
-    else blocks_avx2(w, ws, chunks, chunks_per_group, b0, b1, x, out);
+    blocks(w, ws, chunks, chunks_per_group, b0, b1, x, out);
   }
 };
 

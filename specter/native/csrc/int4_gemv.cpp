@@ -5,35 +5,20 @@
 //   with packed and scales in int4_blocks.h's block layout (rows in blocks of eight, N % 8 == 0);
 //   the arithmetic (x quantized per 64-value chunk, exact integer chunk sums) is int4_blocks.h's.
 //   int4_rows, int4_glu_token: below.
-//   int4_vnni(mode) -> 0 | 1: whether the dot products take the AVX-512 VNNI form (mode 1: where
-//   the CPU has it, 0: never, -1: unchanged); the same bits either way.
 // Blocks, not rows one at a time with a horizontal sum each (the layout before 2026-12-06): one
-// thread, this project's AMD EPYC VM, 48 weights cycled from memory, [8192, 256] 0.046-0.050
-// against 0.065 ms, [256, 4096] 0.024-0.025 against 0.040 ms; from the caches 0.029 against 0.053
-// and 0.018 against 0.036.
+// thread, this project's AMD EPYC VM, both kernels in one process, 48 weights cycled from memory,
+// five passes each: [8192, 256] 0.046-0.059 against 0.064-0.067 ms, [256, 4096] 0.026-0.031
+// against 0.038-0.040 ms; one weight from the caches 0.034 against 0.054 and 0.018 against 0.037.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 #include <immintrin.h>
 #include "int4_blocks.h"
-
-namespace specter_int4 {
-
-std::atomic<bool> vnni_switch{true};
-
-bool vnni_enabled() {
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("avx512vnni");
-  return supported && vnni_switch.load(std::memory_order_relaxed);
-}
-
-}  // namespace specter_int4
 
 namespace {
 
@@ -189,14 +174,7 @@ at::Tensor int4_glu_token(const at::Tensor& x, const at::Tensor& up_packed, cons
   return out;
 }
 
-// int4_vnni(mode): see the contract above (tests and A/B timings).
-int64_t int4_vnni(int64_t mode) {
-  if (mode >= 0) specter_int4::vnni_switch.store(mode > 0);
-  return specter_int4::vnni_enabled() ? 1 : 0;
-}
-
 TORCH_LIBRARY(specter_native, m) {
-  m.def("int4_vnni(int mode) -> int", &int4_vnni);  // no tensor: one kernel for every backend
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales, int group) -> Tensor");
   m.def("int4_rows(Tensor x, Tensor packed, Tensor scales, Tensor ids, int group) -> Tensor");
   m.def("int4_glu_token(Tensor x, Tensor up_packed, Tensor up_scales, Tensor down_packed, Tensor down_scales, "
