@@ -17,7 +17,8 @@ Contract:
   ``"cuda-int4pack"``: PyTorch's tinygemm ``aten._convert_weight_to_int4pack`` /
   ``aten._weight_int4pack_mm`` (sm80+, same N and group rules, K % 32 == 0);
   ``"cpu-native"``: Specter's own kernel (``specter.kernels.int4_native``: int8-quantized
-  activations, integer dot products, 2.2x PyTorch's CPU kernel for one row) where it builds on
+  activations, integer dot products, rows in blocks of eight; 2-2.5x PyTorch's CPU kernel for one
+  row, ``scripts/int4_kernels.py``) where it builds on
   this machine (needs K % 64 == 0, group_size % 64 == 0, N % 8 == 0); preferred on CPU when it fits;
   ``"reference"``: two nibbles per byte, dequantized to the activation dtype then ``F.linear``
   (any shape; K is zero-padded to a whole number of groups). ``backend=`` forces one.
