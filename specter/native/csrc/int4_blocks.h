@@ -21,6 +21,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 #include <immintrin.h>
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -82,6 +83,13 @@ inline __m256 add_chunk(__m256 acc, __m256i isum, const XRow& x, int64_t c, cons
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
 }
 
+// Four activation bytes as one int32 (to broadcast), read without aliasing int8 as int32.
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 inline void prefetch_block_chunk(const uint8_t* p) {
   for (int line = 0; line < 4; ++line)
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + 64 * line), _MM_HINT_T0);
@@ -98,13 +106,13 @@ inline void blocks(const uint8_t* w, const float* ws, int64_t chunks, int64_t ch
     for (int64_t c = 0; c < chunks; ++c) {
       const uint8_t* p = w + (b * chunks + c) * kBlockChunkBytes;
       prefetch_block_chunk(p);
-      const int32_t* xw = reinterpret_cast<const int32_t*>(x.q + c * kChunk);
+      const int8_t* xc = x.q + c * kChunk;
       __m256i isum = _mm256_setzero_si256();
       for (int t = 0; t < 8; ++t) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * t));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xw[t])),
-                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xw[8 + t])));
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(xc + 4 * t))),
+                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(xc + 32 + 4 * t))));
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
       }
       acc = add_chunk(acc, isum, x, c, ws + (b * groups + c / chunks_per_group) * kBlockRows);
