@@ -193,6 +193,16 @@ def test_the_routing_only_draft_step_runs_only_where_a_copy_can_hide_behind_it(l
     assert report["draft"]["lookahead_last"] is routing_step
 
 
+def test_no_routing_only_step_where_the_cache_holds_every_expert(checkpoints, resident):
+    link = {"kind": "local", "options": {"copy_thread": True}}
+    result = generate(checkpoints["mixtral"], "specter", k=3, offload={"link": link, "expert_budget": 1.0})
+    assert result.token_ids == resident["mixtral"]
+    report = result.report
+    drafted = sum(int(key) * n for key, n in report["k"]["histogram"].items())
+    assert drafted > 0 and report["phases"]["draft_steps"] == drafted
+    assert report["draft"]["lookahead_last"] is False
+
+
 def test_moving_to_another_link_tells_the_governor_and_stays_lossless(checkpoints, resident):
     from specter.memory.links import LocalLink
 
