@@ -339,12 +339,11 @@ class OffloadedEngine(Engine):
     def engine_report(self) -> dict:
         stats = self.decode_stats()
         dense = tensor_bytes(self.model.parameters()) + tensor_bytes(self.model.buffers())
-        total_experts = len(self.store.layers) * self.store.n_experts
         return {
             "expert_budget": {
                 "experts": self.cache.capacity,
                 "bytes": self.cache.bytes,
-                "fraction": self.cache.capacity / total_experts,
+                "fraction": self.cache.fraction_held,
             },
             "device_bytes": {"draft": None, "cache": self.cache.bytes, "dense": dense, "total": dense + self.cache.bytes},
             "hit_rate": stats.hit_rate(),

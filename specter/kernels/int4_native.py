@@ -56,6 +56,11 @@ def _check(n: int, k: int) -> None:
         raise ValueError(f"the native INT4 layout needs K % {CHUNK} == 0 and N % {BLOCK_ROWS} == 0, got N={n}, K={k}")
 
 
+def _check_rows(n: int) -> None:
+    if n % BLOCK_ROWS:
+        raise ValueError(f"the native INT4 layout needs N % {BLOCK_ROWS} == 0, got N={n}")
+
+
 def pack(q: Tensor) -> Tensor:
     """``q [N, K]`` int8 in [-8, 7] -> the kernel's uint8 [N, K/2] layout (see the docstring)."""
     n, k = q.shape
@@ -79,7 +84,7 @@ def unpack(packed: Tensor) -> Tensor:
 def pack_scales(scales: Tensor) -> Tensor:
     """Scales [N, G] -> float32 [N, G] in the kernel's blocks: block b's [G, 8]."""
     n, groups = scales.shape
-    _check(n, CHUNK)
+    _check_rows(n)
     blocks = scales.float().reshape(n // BLOCK_ROWS, BLOCK_ROWS, groups)
     return blocks.transpose(1, 2).reshape(n, groups).contiguous()
 
@@ -87,7 +92,7 @@ def pack_scales(scales: Tensor) -> Tensor:
 def unpack_scales(packed_scales: Tensor) -> Tensor:
     """``pack_scales``' float32 [N, G] -> the row-major scales [N, G]."""
     n, groups = packed_scales.shape
-    _check(n, CHUNK)
+    _check_rows(n)
     return packed_scales.reshape(n // BLOCK_ROWS, groups, BLOCK_ROWS).transpose(1, 2).reshape(n, groups).contiguous()
 
 

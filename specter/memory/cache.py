@@ -2,7 +2,8 @@
 
 Contract:
 - Device memory is allocated once: ``slots[name]`` is ``[n_slots, *per_expert_shape]`` for every
-  parameter name of the store. Contents change, shapes never; ``bytes == n_slots * expert_bytes``.
+  parameter name of the store. Contents change, shapes never; ``bytes == n_slots * expert_bytes``;
+  ``fraction_held``: ``capacity`` over every expert of every layer of the store.
   With ``huge_pages`` on a CPU device the slots lie on 2 MiB pages (``specter.memory.slots``).
 - A slot is FREE, LOADING (a ``Transfer`` is in flight into it) or READY. A key ``(layer, expert)``
   occupies at most one slot and a slot holds at most one key.
@@ -102,6 +103,11 @@ class ExpertCache:
     @property
     def bytes(self) -> int:
         return self.n_slots * self.store.expert_bytes
+
+    @property
+    def fraction_held(self) -> float:
+        """The share of all the store's experts (every layer's) the cache holds at once."""
+        return self.capacity / (self.store.n_experts * len(self.store.layers))
 
     @property
     def in_flight(self) -> int:

@@ -121,8 +121,8 @@ inline void blocks(const uint8_t* w, const float* ws, int64_t chunks, int64_t ch
   }
 }
 
-// x [rows, K] quantized once; dots(r, w, ws, begin, end, out) = row r against weight rows [begin,
-// end) (multiples of kBlockRows) of the block layout (w [N, K/2], ws [N, K/group]).
+// x [rows, K] quantized once; block_dots(r, w, ws, b0, b1, out) = row r against the weight's
+// blocks [b0, b1) (rows 8 * b0 .. 8 * b1) of the block layout (w [N, K/2], ws [N, K/group]).
 struct QuantizedRows {
   int64_t k, chunks, chunks_per_group;
   std::vector<int8_t> q;
@@ -140,9 +140,8 @@ struct QuantizedRows {
       }
     }
   }
-  void dots(int64_t r, const uint8_t* w, const float* ws, int64_t begin, int64_t end, float* out) const {
+  void block_dots(int64_t r, const uint8_t* w, const float* ws, int64_t b0, int64_t b1, float* out) const {
     const XRow x{q.data() + r * k, scale.data() + r * chunks, offset.data() + r * chunks};
-    const int64_t b0 = begin / kBlockRows, b1 = end / kBlockRows;
     blocks(w, ws, chunks, chunks_per_group, b0, b1, x, out);
   }
 };

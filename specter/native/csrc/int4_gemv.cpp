@@ -28,9 +28,7 @@ using specter_int4::QuantizedRows;
 
 // Rows [0, n) against one activation row, in blocks (a thread's share whole blocks).
 void all_blocks(const QuantizedRows& xq, int64_t r, const uint8_t* w, const float* ws, int64_t n, float* out) {
-  at::parallel_for(0, n / kBlockRows, 8, [&](int64_t b0, int64_t b1) {
-    xq.dots(r, w, ws, b0 * kBlockRows, b1 * kBlockRows, out);
-  });
+  at::parallel_for(0, n / kBlockRows, 8, [&](int64_t b0, int64_t b1) { xq.block_dots(r, w, ws, b0, b1, out); });
 }
 
 // e^x for 8 floats (Cephes-style: 2^n * p(r), r = x - n ln 2, |r| <= ln 2 / 2; about 1 ulp
