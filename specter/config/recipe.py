@@ -111,7 +111,8 @@ class OffloadConfig(_Section):
     link: LinkConfig = _field("host-to-device link", factory=LinkConfig)
     cache_policy: CachePolicyConfig = _field("device cache eviction policy", factory=CachePolicyConfig)
     prefetch: str = _field("when and how prefetches are issued: aggressive (while the draft runs; may evict a "
-                           "prediction needed later in the round to load one needed sooner: earliest arrival), "
+                           "prediction needed later in the round to load one needed sooner, but not, until the "
+                           "draft is done, an expert the last round read: earliest arrival), "
                            "conservative (never evict a prediction of this round, except for the layer "
                            "verification needs next: fewer copies, for links slower than compute), lazy (nothing "
                            "while the draft runs, all at the flush with the round known: fewest copies, for links "

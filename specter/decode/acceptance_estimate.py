@@ -61,11 +61,16 @@ class AcceptanceEstimate:
         return (self.accepted[j] + PRIOR_STRENGTH * self.pooled) / (self.seen[j] + PRIOR_STRENGTH)
 
     def expected_accepted(self, k: int) -> float:
-        total, run = 0.0, 1.0
+        return self.expected_accepted_upto(k)[k]
+
+    def expected_accepted_upto(self, k: int) -> list[float]:
+        """``expected_accepted(i)`` for i = 0..k, in one pass (a governor's table asks for each)."""
+        totals, total, run = [0.0], 0.0, 1.0
         for j in range(1, k + 1):
             run *= self.p(j)
             total += run
-        return total
+            totals.append(total)
+        return totals
 
     def observe(self, drafted: int, accepted: int, surprised: bool = False) -> None:
         """One round: positions 1..accepted accepted, accepted + 1 rejected. ``surprised``: the

@@ -189,8 +189,7 @@ class RooflineGovernor(Governor):
 
     def table(self) -> list[dict]:
         rows = []
-        for k in range(self.k_max + 1):
-            accepted = self.expected_accepted(k)
+        for k, accepted in enumerate(self.acceptance.expected_accepted_upto(self.k_max)):
             seconds = self.round_s(k)
             rows.append({"k": k, "expected_accepted": accepted, "predicted_round_s": seconds,
                          "predicted_tokens_per_s": (1 + accepted) / seconds if seconds else None})

@@ -118,9 +118,11 @@ class PrefetchingEngine(OffloadedEngine):
         keys = torch.cat([layer * self._expert_stride + index.reshape(-1) for layer, index in self._routing])
         return {divmod(key, self._expert_stride) for key in keys.unique().tolist()}
 
-    def begin_round(self) -> None:
+    def begin_round(self, drafting: bool = False) -> None:
+        """``drafting``: a draft runs before verification (the scheduler holds the last round's
+        experts until its flush)."""
         self._routing = []
-        self.scheduler.begin_round()
+        self.scheduler.begin_round(hold_last_read=drafting)
 
     def end_round(self, used: set[tuple[int, int]] | None = None) -> None:
         self.scheduler.end_round(self.used_experts() if used is None else used)
@@ -290,7 +292,7 @@ class SpecterEngine(PrefetchingEngine):
         k = min(chosen, remaining - 1)
         base_length = kv.get_seq_length()
         self._plain_round = k == 0
-        self.begin_round()
+        self.begin_round(drafting=k > 0)
         issue_before = self.scheduler.issue_s
         judged = k > 0 and self.draft_step_kind == "compiled"
         trials_before = self.compiled.chooser.trials if self.compiled is not None else 0

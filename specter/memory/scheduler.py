@@ -38,6 +38,12 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    issues the window with the round's predictions complete, so a prefetch never evicts a key a
    later draft step predicts for the same round (fewer copies where the link keeps up with
    compute, and none of them beside the draft); ``auto`` never is (measured: design notes, stop 40).
+7. Held while drafting (``begin_round(hold_last_read=True)``: a speculation round's draft, in any
+   mode but conservative, which protects more): until ``flush`` no prefetch may evict an expert the
+   previous round's verification read (``end_round``'s ``used``). The draft's later steps mostly
+   predict those again; evicted by an earlier step's prefetch they would be copied back in the
+   same round. A prefetch that finds no other slot waits for the flush, where the round's
+   predictions are complete and only the window is protected.
 ``end_round(used)`` compares what was predicted with what the target used, counts the
 predictions not in the cache when their layer was reached (``not_admitted``), then lifts the
 protection. The cache policy also receives the round's predictions still ahead (the window's
@@ -102,8 +108,13 @@ class PrefetchScheduler:
         self._ahead_version = 0  # bumped whenever ``_ahead`` changes
         self._hinted_version = -1  # the ``_ahead`` the policy last received as hints
         self.issue_s = 0.0  # seconds spent issuing prefetches (a synchronous link copies here)
+        self._last_read: set[ExpertKey] = set()  # what the previous round's verification read
+        self._holding = False  # the last round's reads are protected (a draft is running: point 7)
 
-    def begin_round(self) -> None:
+    def begin_round(self, hold_last_read: bool = False) -> None:
+        self._holding = hold_last_read and not self.conservative and bool(self._last_read)
+        if self._holding:
+            self.cache.protect(self._last_read)
         self._predicted.clear()
         self._done.clear()
         self._ahead, self._window = [], []
@@ -165,6 +176,8 @@ class PrefetchScheduler:
         self._window = self._ahead[: self.cache.capacity]
         self.cache.unprotect_all()
         self.cache.protect(self._window)
+        if self._holding:
+            self.cache.protect(self._last_read)
         if self.conservative:
             self._beyond_window = self._ahead[self.cache.capacity:]
             self.cache.protect(self._beyond_window)
@@ -227,6 +240,9 @@ class PrefetchScheduler:
             self.stats.issued_while_drafting += self._issue(missing, self.max_in_flight)
 
     def flush(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._set_window(self._ahead)
         self._send_hints()
         missing = self._missing()
         if missing:
@@ -277,6 +293,8 @@ class PrefetchScheduler:
         self.stats.predicted += len(predicted)
         self.stats.used += len(used)
         self.stats.predicted_and_used += len(predicted & used)
+        self._last_read = set(used)
+        self._holding = False
         self.cache.unprotect_all()
         self._beyond_window = []
         if self.mode == "auto":

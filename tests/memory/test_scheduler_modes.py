@@ -145,3 +145,56 @@ def test_an_unknown_mode_is_refused() -> None:
     cache, _ = make_cache(n_slots=4)
     with pytest.raises(ValueError, match="aggressive, conservative, lazy, auto"):
         PrefetchScheduler(cache, mode="eager")
+
+
+def held_round(hold: bool):
+    """Round 1 verifies layer 0's experts 0 and 1 (slots: those two and layer 1's 4 and 5, read
+    before them); round 2's draft predicts layer 0's 2 and 3, then 4, then 0 again."""
+    cache, link = make_cache(n_slots=4, policy=LookaheadPolicy(), layers=(0, 1))
+    cache.preload([(1, 4), (1, 5), (0, 0), (0, 1)])
+    scheduler = PrefetchScheduler(cache, max_in_flight=8, mode="aggressive")
+    scheduler.begin_round()
+    verify_round(cache, link, scheduler, {0: [0, 1]})
+    scheduler.end_round({(0, 0), (0, 1)})
+    scheduler.begin_round(hold_last_read=hold)
+    for experts in ([2, 3], [4], [0]):  # one draft step each
+        scheduler.add(0, experts, [0.9] * len(experts))
+        scheduler.pump()
+        link.complete_all()
+    issued_while_drafting = submitted_keys(cache, link)
+    scheduler.flush()
+    return cache, link, issued_while_drafting
+
+
+def test_a_draft_holds_what_the_last_round_read_until_the_flush() -> None:
+    """Held: step 1's prefetches take the slots the last round did not read; step 2's expert 4
+    finds only experts 0 and 1 (read last round) and waits for the flush, which evicts expert 1,
+    the one the round does not predict. Not held, step 2 evicts expert 0 (least recently used),
+    which step 3 predicts again: copied back, one copy more."""
+    cache, link, drafting = held_round(hold=True)
+    assert drafting == [(0, 2), (0, 3)]
+    assert submitted_keys(cache, link) == [(0, 2), (0, 3), (0, 4)]
+    assert all(cache.contains(key) for key in [(0, 0), (0, 2), (0, 3), (0, 4)])
+
+    cache, link, drafting = held_round(hold=False)
+    assert drafting == [(0, 2), (0, 3), (0, 4), (0, 0)]
+    assert len(link.submitted) == 4
+
+
+def test_a_conservative_scheduler_holds_nothing_more() -> None:
+    """Conservative already protects every prediction of the round; the hold is not added to it:
+    the same draft issues the same copies with or without it."""
+    keys = {}
+    for hold in (False, True):
+        cache, link = make_cache(n_slots=4, policy=LookaheadPolicy(), layers=(0, 1))
+        cache.preload([(1, 4), (1, 5), (0, 0), (0, 1)])
+        scheduler = PrefetchScheduler(cache, max_in_flight=8, mode="conservative")
+        scheduler.begin_round()
+        verify_round(cache, link, scheduler, {0: [0, 1]})
+        scheduler.end_round({(0, 0), (0, 1)})
+        scheduler.begin_round(hold_last_read=hold)
+        for experts in ([2, 3], [4]):
+            scheduler.add(0, experts, [0.9] * len(experts))
+            scheduler.pump()
+        keys[hold] = submitted_keys(cache, link)
+    assert keys[True] == keys[False] == [(0, 2), (0, 3), (0, 4)]
