@@ -132,10 +132,10 @@ def record_verified_rounds(engine) -> tuple[list[tuple[Requests, list[Key]]], in
     requests: Requests = []
     initial: list[Key] = []
 
-    def begin_round() -> None:
+    def begin_round(**options) -> None:
         if not requests and not initial:
             initial.extend(cache.resident_keys())
-        begin()
+        begin(**options)
 
     def end_round(used: set[Key]) -> None:
         requests.extend({key for key in used if key[0] == layer} for layer in sorted({key[0] for key in used}))
