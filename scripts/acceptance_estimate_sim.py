@@ -48,6 +48,7 @@ class PerPositionAverages:
         return self.prior if self.pooled is None else self.pooled
 
     expected_accepted = AcceptanceEstimate.expected_accepted  # the same sum over its own p(j)
+    expected_accepted_upto = AcceptanceEstimate.expected_accepted_upto
 
 
 def truth(q: Callable[[int], float], k: int) -> float:
