@@ -240,9 +240,9 @@ class PrefetchScheduler:
             self.stats.issued_while_drafting += self._issue(missing, self.max_in_flight)
 
     def flush(self) -> None:
-        if self._holding:
+        if self._holding:  # the window stays protected: only the hold lifts (no new window, no new hints)
             self._holding = False
-            self._set_window(self._ahead)
+            self.cache.unprotect(self._last_read.difference(self._window))
         self._send_hints()
         missing = self._missing()
         if missing:
