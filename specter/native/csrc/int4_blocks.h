@@ -33,6 +33,11 @@ namespace specter_int4 {
 constexpr int64_t kChunk = 64;
 constexpr int64_t kBlockRows = 8;
 constexpr int64_t kBlockChunkBytes = 256;  // eight rows' 32 bytes
+
+// Whether an [n, k] weight in groups of `group` values has the block layout.
+inline bool block_layout(int64_t n, int64_t k, int64_t group) {
+  return k % kChunk == 0 && group % kChunk == 0 && k % group == 0 && n % kBlockRows == 0;
+}
 // Each line of a block is prefetched this far ahead of its use (the blocks of a weight lie back to
 // back, one stream). One thread, this project's AMD EPYC VM, 48 weights cycled so they come from
 // memory, 2026-12-06: [8192, 256] 0.059 / 0.053 / 0.050 / 0.046-0.050 / 0.069 ms with none / 2 / 4 /

@@ -22,8 +22,8 @@
 
 namespace {
 
+using specter_int4::block_layout;
 using specter_int4::kBlockRows;
-using specter_int4::kChunk;
 using specter_int4::QuantizedRows;
 
 // Rows [0, n) against one activation row, in blocks (a thread's share whole blocks).
@@ -71,7 +71,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
               "int4_gemv: scales must be a contiguous float32 [N, K/group] tensor");
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  TORCH_CHECK(k % kChunk == 0 && group % kChunk == 0 && k % group == 0 && n % kBlockRows == 0,
+  TORCH_CHECK(block_layout(n, k, group),
               "int4_gemv: K and group must be multiples of 64 (and K of group), N of 8");
   TORCH_CHECK(packed.size(1) * 2 == k && scales.size(0) == n && scales.size(1) == k / group,
               "int4_gemv: packed / scales shapes do not match x");
@@ -97,7 +97,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
               "int4_rows: ids must be an int64 [S] tensor, one expert per row of x");
   const int64_t rows = x.size(0), k = x.size(1), experts = packed.size(0), n = packed.size(1);
-  TORCH_CHECK(k % kChunk == 0 && group % kChunk == 0 && k % group == 0 && n % kBlockRows == 0,
+  TORCH_CHECK(block_layout(n, k, group),
               "int4_rows: K and group must be multiples of 64 (and K of group), N of 8");
   TORCH_CHECK(packed.size(2) * 2 == k && scales.size(0) == experts && scales.size(1) == n &&
                   scales.size(2) == k / group,
@@ -141,8 +141,7 @@ at::Tensor int4_glu_token(const at::Tensor& x, const at::Tensor& up_packed, cons
   TORCH_CHECK(up_n % 2 == 0 && up_packed.size(2) * 2 == k && down_packed.size(0) == experts &&
                   down_packed.size(2) * 2 == width,
               "int4_glu_token: up must be [E, 2I, K/2] and down [E, H, I/2] for x [1, K]");
-  TORCH_CHECK(k % kChunk == 0 && width % kChunk == 0 && up_group % kChunk == 0 && down_group % kChunk == 0 &&
-                  k % up_group == 0 && width % down_group == 0 && h % kBlockRows == 0,
+  TORCH_CHECK(block_layout(up_n, k, up_group) && block_layout(h, width, down_group),
               "int4_glu_token: K, I and the groups must be multiples of 64 (K and I of their groups), H of 8");
   TORCH_CHECK(up_scales.size(0) == experts && up_scales.size(1) == up_n && up_scales.size(2) == k / up_group &&
                   down_scales.size(0) == experts && down_scales.size(1) == h && down_scales.size(2) == width / down_group,
