@@ -35,7 +35,9 @@ Contract:
 - ``prefetch_min_rows(rows=None) -> int``: the fewest rows sharing a weight row for which the
   float32 kernels prefetch that row in software (``PREFETCH_MIN_ROWS`` by default; fewer are left
   to the hardware prefetcher: decode steps, most verification waves, the draft's norms and
-  projections); ``rows`` sets it process-wide (A/B timings). It never changes a result's bits.
+  projections; the AVX-512 form that reads four long weight rows side by side never prefetches in
+  software, measured slower with it at 2-24 rows); ``rows`` sets it process-wide (A/B timings). It
+  never changes a result's bits.
 Why: on this project's CPU (one thread) MKL's ``x @ W^T`` for an [8192, 256] fp32 weight ran at
 6.2 GB/s for one row but 2.8-3.3 GB/s for 2-5 rows (it packs the weight first), and
 ``torch._grouped_mm`` over six experts of 1-2 rows each took 2.6 ms per expert's 12 MiB; this
