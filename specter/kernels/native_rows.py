@@ -30,8 +30,14 @@ Contract:
 - ``wide_rows(enabled=None) -> bool``: whether groups of two rows or more run the kernel's AVX-512
   forms (on by default where the CPU has AVX-512F/DQ/VL; one row always runs the AVX2 form).
   They give every row the AVX2 form's bits, lane for lane, and read a weight row once for up to
-  eight rows (AVX2: three or four); ``enabled`` switches them on or off process-wide (tests, A/B
-  timings); returns whether they run now.
+  eight rows (AVX2: three or four; short weight rows, K < 1024, ``short_pass_rows`` a pass);
+  ``enabled`` switches them on or off process-wide (tests, A/B timings); returns whether they run
+  now.
+- ``short_pass_rows(rows=None) -> int``: the most rows one pass of the AVX-512 form takes over a
+  short weight row (K < 1024: a gated MLP's up projection); more go in further passes that re-read
+  the weight row from L1. Four on AMD CPUs (there five to eight rows a pass ran 4-42% slower than
+  passes of four: ``csrc/grouped_rows.cpp``), eight elsewhere; ``rows`` (1-8) sets it process-wide
+  (tests, A/B timings). It never changes a result's bits.
 - ``prefetch_min_rows(rows=None) -> int``: the fewest rows sharing a weight row for which the
   float32 kernels prefetch that row in software (``PREFETCH_MIN_ROWS`` by default; fewer are left
   to the hardware prefetcher: decode steps, most verification waves, the draft's norms and
@@ -90,6 +96,14 @@ def wide_rows(enabled: bool | None = None) -> bool:
     """Whether two rows or more take the AVX-512 forms; ``enabled`` sets it first (see the module
     docstring). The native kernels must be available."""
     return bool(torch.ops.specter_native.wide_rows(-1 if enabled is None else int(enabled)))
+
+
+def short_pass_rows(rows: int | None = None) -> int:
+    """The most rows a pass of the AVX-512 form takes over a short weight row; ``rows`` (1-8) sets
+    it first (see the module docstring). The native kernels must be available."""
+    if rows is not None and not 1 <= rows <= 8:
+        raise ValueError(f"short_pass_rows: rows must be 1 to 8, got {rows}")
+    return int(torch.ops.specter_native.short_pass_rows(0 if rows is None else rows))
 
 
 def prefetch_min_rows(rows: int | None = None) -> int:

@@ -82,6 +82,48 @@ def test_the_avx512_forms_give_every_row_the_avx2_bits(k: int, n: int) -> None:
     torch.testing.assert_close(wide.double(), reference(x, w, ends), rtol=1e-5, atol=1e-3)
 
 
+def _cpu_vendor() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), None)
+    except OSError:
+        return None
+
+
+@needs_native
+def test_short_rows_take_four_rows_a_pass_on_amd_and_eight_elsewhere() -> None:
+    vendor = _cpu_vendor()
+    if vendor is None:
+        pytest.skip("no /proc/cpuinfo vendor to check the default against")
+    assert native_rows.short_pass_rows() == (4 if vendor == "AuthenticAMD" else 8)
+
+
+@needs_native
+def test_every_pass_size_gives_the_avx2_bits() -> None:
+    # short weight rows (K < 1024) in passes of 1-8 rows, groups of 1-12 rows
+    if not native_rows.wide_rows():
+        pytest.skip("this CPU has no AVX-512F/DQ/VL: only the AVX2 forms run")
+    gen = torch.Generator().manual_seed(11)
+    counts = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12]
+    w = torch.randn(len(counts), 24, 256, generator=gen)
+    ends = torch.tensor(counts).cumsum(0)
+    x = torch.randn(int(ends[-1]), 256, generator=gen)
+    default = native_rows.short_pass_rows()
+    try:
+        assert native_rows.wide_rows(False) is False
+        narrow = native_rows.grouped_rows(x, w, ends)
+        assert native_rows.wide_rows(True) is True
+        for rows in range(1, 9):
+            assert native_rows.short_pass_rows(rows) == rows
+            assert torch.equal(native_rows.grouped_rows(x, w, ends), narrow), f"passes of {rows} rows"
+    finally:
+        native_rows.wide_rows(True)
+        native_rows.short_pass_rows(default)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="1 to 8"):
+            native_rows.short_pass_rows(bad)
+
+
 @needs_native
 def test_software_prefetch_never_changes_the_bits() -> None:
     # groups of 1-9 rows over short and long weight rows (the one-row, AVX2 and AVX-512 forms)

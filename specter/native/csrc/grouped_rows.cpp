@@ -99,6 +99,22 @@ void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* ou
 // weight row go as two and one, as in dot_any (from the caches 0.49 against 0.53 ms as three).
 std::atomic<bool> wide_enabled{true};
 
+// Short weight rows (K < kQuadK) take at most this many rows a pass of dot16; more go in further
+// passes that re-read the weight row from L1. Four on AMD CPUs, kWideRows elsewhere. One thread,
+// this project's AMD EPYC VM (Zen 4: AVX-512 as two 256-bit halves), 40 widened experts cycled from
+// memory, call by call: [8192, 256] gate_up at 5 / 6 / 8 / 12 / 16 rows 0.796 / 0.665 / 0.797 /
+// 0.917 / 1.087 ms in passes of eight against 0.461 / 0.522 / 0.714 / 0.812 / 1.007 in passes of
+// four; a whole expert through glu_expert_pairs 5 / 7 / 8 / 12 rows 1.129 / 1.268 / 1.055 / 1.331
+// against 0.924 / 1.062 / 1.015 / 1.266; in the engine (compiled, 50% local, eight runs each,
+// flipped per run) k = 32's kernels 1.057 -> 0.963 ms an expert read (1.07x tok/s), k = 8 and 16
+// unchanged (0.735 / 0.870 against 0.755 / 0.873; few experts get five rows there). On stops
+// 42-60's Xeons passes of eight were the faster (see wide_enabled). short_pass_rows op: sets it.
+int64_t default_short_pass_rows() {
+  __builtin_cpu_init();  // this runs as a static initializer, before the library's own
+  return __builtin_cpu_is("amd") ? 4 : specter_rows::kWideRows;
+}
+std::atomic<int64_t> short_pass_rows{default_short_pass_rows()};
+
 bool wide_supported() {
   static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                                 __builtin_cpu_supports("avx512vl");
@@ -121,9 +137,10 @@ SPECTER_AVX512 void rows_times_weight_wide(const float* xp, int64_t start, int64
       for (int64_t r = start; r < end; r += kWideRows)
         specter_rows::quad16_any(static_cast<int>(std::min<int64_t>(kWideRows, end - r)), wg + j * k, xp + r * k, k,
                                  op + r * n + j, n, /*prefetch=*/false);
+  const int64_t chunk = short_pass_rows.load(std::memory_order_relaxed);
   for (; j < stop; ++j)
-    for (int64_t r = start; r < end; r += kWideRows)
-      specter_rows::dot16_any(static_cast<int>(std::min<int64_t>(kWideRows, end - r)), wg + j * k, xp + r * k, k,
+    for (int64_t r = start; r < end; r += chunk)
+      specter_rows::dot16_any(static_cast<int>(std::min<int64_t>(chunk, end - r)), wg + j * k, xp + r * k, k,
                               op + r * n + j, n, prefetch);
 }
 
@@ -293,6 +310,14 @@ int64_t wide_rows(int64_t mode) {
   return wide_enabled.load() && wide_supported() ? 1 : 0;
 }
 
+// short_pass_rows(rows): the most rows a pass of the AVX-512 form takes over a short weight row
+// (1 <= rows <= kWideRows sets it, else unchanged); returns it now.
+int64_t short_pass_rows_op(int64_t rows) {
+  TORCH_CHECK(rows <= specter_rows::kWideRows, "short_pass_rows: at most ", specter_rows::kWideRows, " rows a pass");
+  if (rows >= 1) short_pass_rows.store(rows);
+  return short_pass_rows.load();
+}
+
 // prefetch_min_rows(rows): the fewest rows sharing a weight row for which the float32 row kernels
 // prefetch it in software (rows_math.h; rows >= 1 sets it, else unchanged); returns it now.
 int64_t prefetch_min_rows(int64_t rows) {
@@ -303,6 +328,7 @@ int64_t prefetch_min_rows(int64_t rows) {
 TORCH_LIBRARY_FRAGMENT(specter_native, m) {
   m.def("wide_rows(int mode) -> int", &wide_rows);  // no tensor: one kernel for every backend
   m.def("prefetch_min_rows(int rows) -> int", &prefetch_min_rows);
+  m.def("short_pass_rows(int rows) -> int", &short_pass_rows_op);
   m.def("grouped_rows(Tensor x, Tensor w, Tensor ends) -> Tensor");
   m.def("normed_rows(Tensor h, Tensor norm_weight, float eps, Tensor[] weights) -> (Tensor, Tensor)");
   m.def("glu_expert_pairs(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor down, Tensor weights, int top_k, "

@@ -9,7 +9,8 @@
 //   is summed alone.
 // With 32 vector registers a pass takes up to kWideRows rows (AVX2's 16 held three to four), so a
 // weight row is read once for more of a verification's rows, and each load and FMA does twice
-// the work (measured in grouped_rows.cpp). dot16_any splits three rows as two and one, as dot_any.
+// the work (measured in grouped_rows.cpp; there short weight rows take four rows a pass on AMD
+// CPUs, short_pass_rows). dot16_any splits three rows as two and one, as dot_any.
 #pragma once
 #include "rows_math.h"
 
