@@ -41,7 +41,7 @@ Contract:
 - ``prefetch_min_rows(rows=None) -> int``: the fewest rows sharing a weight row for which the
   float32 kernels prefetch that row in software (``PREFETCH_MIN_ROWS`` by default; fewer are left
   to the hardware prefetcher: decode steps, most verification waves, the draft's norms and
-  projections; the AVX-512 form that reads four long weight rows side by side never prefetches in
+  projections; the forms that read four long weight rows side by side never prefetch in
   software, measured slower with it at 2-24 rows); ``rows`` sets it process-wide (A/B timings). It
   never changes a result's bits.
 Why: on this project's CPU (one thread) MKL's ``x @ W^T`` for an [8192, 256] fp32 weight ran at

@@ -121,11 +121,12 @@ bool wide_supported() {
   return supported;
 }
 
-// The four-weight-row form (long rows) leaves its four streams to the hardware prefetcher at any
+// The four-weight-row forms (long rows) leave their four streams to the hardware prefetcher at any
 // number of rows: one thread, this project's AMD EPYC VM, 40 widened experts' [256, 4096] down
 // weights cycled from memory, interleaved call by call, 4 / 8 / 16 / 24 rows 0.293 / 0.327 / 0.525 /
 // 0.685 ms without software prefetch against 0.323 / 0.355 / 0.552 / 0.714 with it (2 rows: 0.264
-// either way); the short rows' one-at-a-time form still prefetches from prefetch_min_rows rows
+// either way); the AVX2 form (wide_rows off) 4 / 8 / 16 rows 0.352 / 0.416 / 0.627 against 0.398 /
+// 0.448 / 0.676; the short rows' one-at-a-time form still prefetches from prefetch_min_rows rows
 // (its [8192, 256] gate_up, 5 / 6 / 8 rows: 0.73 / 0.62 / 0.69 ms with, 0.87 / 0.81 / 0.96 without).
 SPECTER_AVX512 void rows_times_weight_wide(const float* xp, int64_t start, int64_t end, const float* wg,
                                            int64_t begin, int64_t stop, int64_t k, int64_t n, float* op,
@@ -159,7 +160,7 @@ void rows_times_weight(const float* xp, int64_t start, int64_t end, const float*
       for (; j + 3 < stop; j += 4)
         for (int64_t r = start; r < end; r += 3)
           dot_any_quad(static_cast<int>(std::min<int64_t>(3, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n,
-                       prefetch);
+                       /*prefetch=*/false);
     for (; j < stop; ++j)
       for (int64_t r = start; r < end; r += 4)
         dot_any(static_cast<int>(std::min<int64_t>(4, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n, prefetch);
