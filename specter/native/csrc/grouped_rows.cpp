@@ -110,7 +110,7 @@ std::atomic<bool> wide_enabled{true};
 // unchanged (0.735 / 0.870 against 0.755 / 0.873; few experts get five rows there). On stops
 // 42-60's Xeons passes of eight were the faster (see wide_enabled). short_pass_rows op: sets it.
 int64_t default_short_pass_rows() {
-  __builtin_cpu_init();  // this runs as a static initializer, before the library's own
+  __builtin_cpu_init();  // a static initializer may run before libgcc has read the CPU model
   return __builtin_cpu_is("amd") ? 4 : specter_rows::kWideRows;
 }
 std::atomic<int64_t> short_pass_rows{default_short_pass_rows()};
