@@ -32,19 +32,16 @@ namespace {
 
 using specter_rows::dot_rows;
 using specter_rows::hsum;
-using specter_rows::kPrefetchFloats;
 
 // out[r * ldo + q] = dot(w + q * K [K], x[r * K ..]) for q < 4 and R <= 3 rows: four weight rows
 // share each load of x, which for long rows (K >= kQuadK) comes from L2, not L1 (12 accumulators,
 // 4 weight vectors and one x vector fill the 16 AVX2 registers at R = 3).
 template <int R>
-inline void dot_rows_quad(const float* w, const float* x, int64_t k, float* out, int64_t ldo, bool prefetch) {
+inline void dot_rows_quad(const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q) a[r][q] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; i += 8) {
-    if (prefetch && (i & 15) == 0)
-      for (int q = 0; q < 4; ++q) _mm_prefetch(reinterpret_cast<const char*>(w + q * k + i + kPrefetchFloats), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + k + i);
     const __m256 w2 = _mm256_loadu_ps(w + 2 * k + i), w3 = _mm256_loadu_ps(w + 3 * k + i);
     for (int r = 0; r < R; ++r) {
@@ -82,11 +79,11 @@ void dot_any(int rows, const float* w, const float* x, int64_t k, float* out, in
   }
 }
 
-void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo, bool prefetch) {
+void dot_any_quad(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
   switch (rows) {
-    case 1: dot_rows_quad<1>(w, x, k, out, ldo, prefetch); break;
-    case 2: dot_rows_quad<2>(w, x, k, out, ldo, prefetch); break;
-    default: dot_rows_quad<3>(w, x, k, out, ldo, prefetch); break;
+    case 1: dot_rows_quad<1>(w, x, k, out, ldo); break;
+    case 2: dot_rows_quad<2>(w, x, k, out, ldo); break;
+    default: dot_rows_quad<3>(w, x, k, out, ldo); break;
   }
 }
 
@@ -137,7 +134,7 @@ SPECTER_AVX512 void rows_times_weight_wide(const float* xp, int64_t start, int64
     for (; j + 3 < stop; j += 4)
       for (int64_t r = start; r < end; r += kWideRows)
         specter_rows::quad16_any(static_cast<int>(std::min<int64_t>(kWideRows, end - r)), wg + j * k, xp + r * k, k,
-                                 op + r * n + j, n, /*prefetch=*/false);
+                                 op + r * n + j, n);
   const int64_t chunk = short_pass_rows.load(std::memory_order_relaxed);
   for (; j < stop; ++j)
     for (int64_t r = start; r < end; r += chunk)
@@ -159,8 +156,7 @@ void rows_times_weight(const float* xp, int64_t start, int64_t end, const float*
     if (k >= kQuadK)
       for (; j + 3 < stop; j += 4)
         for (int64_t r = start; r < end; r += 3)
-          dot_any_quad(static_cast<int>(std::min<int64_t>(3, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n,
-                       /*prefetch=*/false);
+          dot_any_quad(static_cast<int>(std::min<int64_t>(3, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n);
     for (; j < stop; ++j)
       for (int64_t r = start; r < end; r += 4)
         dot_any(static_cast<int>(std::min<int64_t>(4, end - r)), wg + j * k, xp + r * k, k, op + r * n + j, n, prefetch);

@@ -34,12 +34,10 @@ SPECTER_AVX512 inline void dot16(const float* w, const float* x, int64_t k, floa
 }
 
 template <int R>
-SPECTER_AVX512 inline void quad16(const float* w, const float* x, int64_t k, float* out, int64_t ldo, bool prefetch) {
+SPECTER_AVX512 inline void quad16(const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
   __m512 a[R][2];
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 8) {
-    if (prefetch && (i & 15) == 0)
-      for (int q = 0; q < 4; ++q) _mm_prefetch(reinterpret_cast<const char*>(w + q * k + i + kPrefetchFloats), _MM_HINT_T0);
     const __m512 w01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w + i)), _mm256_loadu_ps(w + k + i), 1);
     const __m512 w23 =
         _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w + 2 * k + i)), _mm256_loadu_ps(w + 3 * k + i), 1);
@@ -74,17 +72,16 @@ SPECTER_AVX512 inline void dot16_any(int rows, const float* w, const float* x, i
   }
 }
 
-SPECTER_AVX512 inline void quad16_any(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo,
-                                      bool prefetch) {
+SPECTER_AVX512 inline void quad16_any(int rows, const float* w, const float* x, int64_t k, float* out, int64_t ldo) {
   switch (rows) {
-    case 1: quad16<1>(w, x, k, out, ldo, prefetch); break;
-    case 2: quad16<2>(w, x, k, out, ldo, prefetch); break;
-    case 3: quad16<3>(w, x, k, out, ldo, prefetch); break;
-    case 4: quad16<4>(w, x, k, out, ldo, prefetch); break;
-    case 5: quad16<5>(w, x, k, out, ldo, prefetch); break;
-    case 6: quad16<6>(w, x, k, out, ldo, prefetch); break;
-    case 7: quad16<7>(w, x, k, out, ldo, prefetch); break;
-    default: quad16<8>(w, x, k, out, ldo, prefetch); break;
+    case 1: quad16<1>(w, x, k, out, ldo); break;
+    case 2: quad16<2>(w, x, k, out, ldo); break;
+    case 3: quad16<3>(w, x, k, out, ldo); break;
+    case 4: quad16<4>(w, x, k, out, ldo); break;
+    case 5: quad16<5>(w, x, k, out, ldo); break;
+    case 6: quad16<6>(w, x, k, out, ldo); break;
+    case 7: quad16<7>(w, x, k, out, ldo); break;
+    default: quad16<8>(w, x, k, out, ldo); break;
   }
 }
 
