@@ -135,7 +135,7 @@ SPECTER_AVX512 void rows_times_weight_wide(const float* xp, int64_t start, int64
       for (int64_t r = start; r < end; r += kWideRows)
         specter_rows::quad16_any(static_cast<int>(std::min<int64_t>(kWideRows, end - r)), wg + j * k, xp + r * k, k,
                                  op + r * n + j, n);
-  const int64_t chunk = short_pass_rows.load(std::memory_order_relaxed);
+  const int64_t chunk = k < kQuadK ? short_pass_rows.load(std::memory_order_relaxed) : kWideRows;
   for (; j < stop; ++j)
     for (int64_t r = start; r < end; r += chunk)
       specter_rows::dot16_any(static_cast<int>(std::min<int64_t>(chunk, end - r)), wg + j * k, xp + r * k, k,
