@@ -163,7 +163,7 @@ class LayerHost:
         self._release_held()  # the graph is past the previous layer: its slots are free for streaming
         self.runtime.notify(row, x, top_k_index, top_k_weights)
         self.runtime.layers_computed_in_graph += 1
-        experts = top_k_index.unique().tolist()
+        experts = sorted(set(top_k_index.reshape(-1).tolist()))
         if len(experts) <= self.cache.capacity:
             self.cache.acquire(row, experts)
             self._held = (row, experts)

@@ -167,12 +167,13 @@ class ExpertRuntime:
     def _forward_from_slots(
         self, layer: int, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        needed = top_k_index.unique().tolist()
+        pair_experts = top_k_index.reshape(-1).tolist()  # one host copy; a set of a few dozen ints beats unique()
+        needed = sorted(set(pair_experts))
         capacity = self.cache.capacity
         view = self._views[layer]
         if len(needed) <= capacity:
             if self.waves and supports(view) and takes_native(hidden, top_k_weights, view.gate_up_proj, view.down_proj):
-                return self._compute_in_waves(layer, view, needed, hidden, top_k_index, top_k_weights)
+                return self._compute_in_waves(layer, view, needed, hidden, top_k_index, top_k_weights, pair_experts)
             return self._compute_chunk(layer, view, needed, hidden, top_k_index, top_k_weights)
         output = torch.zeros_like(hidden)
         for start in range(0, len(needed), capacity):
@@ -188,7 +189,7 @@ class ExpertRuntime:
 
     def _compute_in_waves(
         self, layer: int, view: SlotView, experts: list[int], hidden: torch.Tensor,
-        top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        top_k_index: torch.Tensor, top_k_weights: torch.Tensor, pair_experts: list[int],
     ) -> torch.Tensor:
         """The layer's experts in waves as their copies arrive: each wave computes the experts READY
         then, releases their slots and tells ``on_release`` (the scheduler streams the next keys
@@ -207,7 +208,7 @@ class ExpertRuntime:
                                       top_k_weights)
             slot_of = dict(zip(experts, slots))
             if silu_glu:
-                by_expert = PairsByExpert(hidden, top_k_index, top_k_weights)
+                by_expert = PairsByExpert(hidden, top_k_index, top_k_weights, pair_experts)
                 pairs, compute = by_expert, lambda wave: by_expert.compute(
                     wave, [slot_of[e] for e in wave], view.gate_up_proj, view.down_proj)
             else:

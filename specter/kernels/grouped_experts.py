@@ -25,9 +25,10 @@ Contract:
   set of slots at a time (``compute(slots, ...)``, as their weights arrive) and summed over j once
   (``result``): the bits of ``native_grouped_experts`` in one call, for any split of the slots
   (``takes_native`` must hold; eager only: a wave's rows have a data-dependent count).
-- ``PairsByExpert(x, ids, weights)``: the same for a gate that ``is_silu_glu`` (Mixtral,
-  Qwen2/3-MoE, OLMoE, DeepSeek), with no tensor work before the first wave: the pairs are grouped
-  by expert in host lists from one copy of ``ids`` (a layer has a few dozen), each wave
+- ``PairsByExpert(x, ids, weights, pair_experts=None)``: the same for a gate that ``is_silu_glu``
+  (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek), with no tensor work before the first wave: the pairs
+  are grouped by expert in host lists from one copy of ``ids`` (a layer has a few dozen; the
+  caller's ``ids.reshape(-1).tolist()`` when it already has one), each wave
   (``compute(experts, slots, ...)``: those experts, whose weights are in those slots) is one native
   call (``native_rows.glu_expert_pairs``) writing its pairs' rows in place, and ``result`` sums
   over j: the bits of ``native_grouped_experts`` for any split of the experts.
@@ -181,12 +182,12 @@ class PairsByExpert:
     """A layer's (token, j) pairs grouped by expert in host lists; ``compute`` runs some experts'
     pairs in one native call (a silu-gated GLU, ``is_silu_glu``), ``result`` sums over j."""
 
-    def __init__(self, x: Tensor, ids: Tensor, weights: Tensor) -> None:
+    def __init__(self, x: Tensor, ids: Tensor, weights: Tensor, pair_experts: list[int] | None = None) -> None:
         self._shape = ids.shape  # [T, k]
         self._x = x.contiguous()
         self._weights = weights.reshape(-1).contiguous()
         self._pairs_of: dict[int, list[int]] = {}  # expert -> its pairs p = t * k + j, increasing
-        for pair, expert in enumerate(ids.reshape(-1).tolist()):
+        for pair, expert in enumerate(ids.reshape(-1).tolist() if pair_experts is None else pair_experts):
             self._pairs_of.setdefault(expert, []).append(pair)
         self._out: Tensor | None = None  # [T * k, H] float32, pair order
 
