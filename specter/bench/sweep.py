@@ -13,7 +13,11 @@ docs/benchmarks.md and read by ``specter.bench.tables`` and ``specter.bench.plot
   every engine's rate, eager or compiled, spans the same minutes of the machine, and so do the
   ratios within a cell and between a compiled row and its eager row.
 - A row is one (engine label, budget, link, compile mode): decode tokens/s (median, min, max and
-  every run), the figures of its last run, whether its greedy tokens equal the eager
+  every run), the figures of its last run, its round phases pooled over every run (``phases``,
+  ``specter.report.metrics.pool_phases``), its target step's median over its runs
+  (``decode_step_s``), in a cell the median target step of ``resident`` (same compile mode) over
+  the runs it made in that cell (``single_step_s``: a step with no transfer in it, measured in the
+  same minutes), whether its greedy tokens equal the eager
   ``resident`` engine's, its median's ratio to each baseline's median in the same cell, and how
   fast one thread read its cache slots (or its large weights) after the cell's runs
   (``memory_read_gibps``, ``specter.bench.memory_rate``).
@@ -40,6 +44,7 @@ import torch
 from specter.bench.memory_rate import engine_read_rate
 from specter.bench.spec import SAME_MEMORY, TWIN_SUFFIX, BenchSpec
 from specter.memory import page_placement
+from specter.report.metrics import pool_phases
 
 SCHEMA = "specter.bench/2"
 BASELINES = ("ondemand", SAME_MEMORY, "router-lookahead", "resident", "hf-offload")
@@ -90,6 +95,7 @@ class Sweep:
         self.cells: dict[tuple, dict[str, list[float]]] = {}  # (budget, link, compile) -> label -> tok/s runs
         self.meta: dict[str, dict] = {}  # label -> {engine, k, governor, note}
         self.read_rates: dict[tuple, float | None] = {}  # (label, budget, link, compile) -> GiB/s (memory_rate)
+        self.cell_steps: dict[tuple, list[float]] = {}  # (budget, link, compile) -> resident's decode_step_s runs
         self.reference: list[list[int]] | None = None
         self.progress = Progress(self._count_runs(), spec.title, progress)
 
@@ -163,6 +169,8 @@ class Sweep:
                 self.cells.setdefault((budget, link, compile), {}).setdefault(label, []).append(rate)
                 if label == "resident" and not compile and self.reference is None:
                     self.reference = result.token_ids
+                if label == "resident" and result.report.get("decode_step_s") is not None:
+                    self.cell_steps.setdefault((budget, link, compile), []).append(result.report["decode_step_s"])
                 self.progress.step()
                 self.progress.log(f"[{_cell_name(budget, link, compile)} #{repeat + 1}] {label}: {rate:.2f} tok/s")
         for (label, compile), engine in engines.items():  # after the timed runs: where each one's memory landed
@@ -229,6 +237,8 @@ class Sweep:
                 ratios = {base: median / cell[base] for base in BASELINES if base in cell and base != label}
             meta = self.meta.get(label, {"engine": label})
             greedy = self.spec.recipe.sampling.temperature == 0
+            steps = [r["decode_step_s"] for r in reports if r.get("decode_step_s") is not None]
+            single = self.cell_steps.get((budget, link, compile)) if link is not None else None
             out.append({
                 "engine": meta["engine"], "label": label, "k": meta.get("k"), "governor": meta.get("governor"),
                 "budget": budget, "link": link, "compile": compile,
@@ -242,7 +252,9 @@ class Sweep:
                 "lossless": (self.tokens[key] == self.reference) if greedy and self.reference is not None else None,
                 "note": meta.get("note"), "ratios": ratios, "twin_of": meta.get("twin_of"),
                 "compile_stats": last.get("compile"), "offload": last.get("offload"),
-                "phases": last.get("phases"), "decode_step_s": last.get("decode_step_s"),
+                "phases": pool_phases([r.get("phases") for r in reports], (last.get("model") or {}).get("n_moe_layers")),
+                "decode_step_s": statistics.median(steps) if steps else None,
+                "single_step_s": statistics.median(single) if single else None,
                 "governor_summary": last.get("governor") if meta["engine"] == "specter" else None,
                 "link_stats": last.get("link"), "prefetch": _prefetch_state(last.get("prediction")),
                 "memory_read_gibps": self.read_rates.get(key),

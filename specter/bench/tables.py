@@ -11,8 +11,9 @@ absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. 
 listed under its table.
 
 Then, when there is something to show: "Where the time goes (specter rows)", one table row per
-specter row with ``phases`` (draft step against resident's target step of the same compile mode,
-a step with no transfer in it, else the cell's ondemand step; verification's compute per expert
+specter row with ``phases`` (draft step against the row's ``single_step_s``, resident's median
+target step of the same compile mode in the same cell, a step with no transfer in it; without it
+resident's row's ``decode_step_s``, else the cell's ondemand step; verification's compute per expert
 read against that step per expert read, i.e. ``decode_step_s / (top_k * n_moe_layers)``, and
 the part of it in the expert kernels where measured (a CPU's host-computed experts); each
 phase's share of the round; the prefetch mode its last run ended in, ``(auto)`` when
@@ -184,7 +185,8 @@ def phase_table(bench: dict) -> list[str]:
         phases = row.get("phases")
         if row.get("engine") != "specter" or not isinstance(phases, dict) or not phases:
             continue
-        target = step("resident", row, False)  # a target step with no transfer in it
+        target = row.get("single_step_s")  # resident's steps in this cell: no transfer in them
+        target = target if target is not None else step("resident", row, False)
         target = target if target is not None else step("ondemand", row, True)
         per_expert = fmt.div(target, reads)
         verify_expert = phases.get("verify_compute_s_per_expert")

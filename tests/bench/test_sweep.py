@@ -84,6 +84,20 @@ def test_every_row_on_a_cpu_carries_its_engines_memory_read_rate(document):
         assert row["memory_read_gibps"] > 0, row["label"]
 
 
+def test_phases_pool_every_run_against_residents_steps_in_the_same_cell(document):
+    for link in LINKS:
+        for row in rows_by(document, "specter k=2", link):
+            phases = row["phases"]
+            # two repeats of two prompts, five tokens after each prompt's first, at most three a round
+            # (k = 2): at least two rounds and five verified tokens a prompt, twice one run's
+            assert phases["rounds"] >= 2 * 2 * 2 and phases["verify_tokens"] >= 2 * 2 * 5
+            assert row["single_step_s"] > 0 and row["decode_step_s"] > 0
+        (resident,) = [r for r in document["rows"] if r["label"] == "resident"]
+        assert resident["single_step_s"] is None  # no cell of its own: its decode_step_s spans them all
+    singles = {row["single_step_s"] for row in document["rows"] if row["link"] == "slow" and row["budget"] == 0.25}
+    assert len(singles) == 1  # one figure per cell, whatever the row
+
+
 def test_links_are_labelled_and_the_document_is_json(document):
     assert document["schema"] == "specter.bench/2"
     assert document["links"]["slow"]["emulated"] is True and document["links"]["fast"]["emulated"] is False

@@ -142,6 +142,16 @@ def test_where_the_time_goes(bench):
     assert compiled[13] == f"{2.0 / (1e3 / 36.0 / 8):.2f}x" == "0.58x"
 
 
+def test_where_the_time_goes_takes_residents_steps_in_the_rows_own_cell(bench):
+    row = next(r for r in bench["rows"] if r["label"] == "specter k=4" and r["budget"] == 0.25
+               and r["link"] == "slow" and not r["compile"])
+    row["single_step_s"] = 0.04  # resident's median step in this cell, not its row's over the bench
+    cells = _phase_row(_phase_rows(markdown(bench)), "specter k=4", "25%", "slow")
+    assert cells[6] == f"{0.005 / 0.04:.3f}" == "0.125"
+    assert cells[12] == f"{0.04 / 8 * 1e3:.3f}" == "5.000" and cells[13] == "0.40x"
+    assert _phase_row(_phase_rows(markdown(bench)), "specter k=4", "25%", "fast")[12] == "4.167"  # others as before
+
+
 def test_where_the_time_goes_falls_back_to_the_cells_ondemand(bench):
     bench["rows"] = [r for r in bench["rows"] if r["label"] != "resident"]
     row = _phase_row(_phase_rows(markdown(bench)), "specter k=4", "25%", "slow")
