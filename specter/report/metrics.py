@@ -93,7 +93,7 @@ PHASE_TOTALS = ("rounds", "draft_s", "draft_issue_s", "flush_s", "verify_s", "ho
                 "experts_read", "verify_io_wait_s")
 
 
-def phase_summary(totals: Mapping[str, float], moe_layers: int) -> dict | None:
+def phase_summary(totals: Mapping[str, float], moe_layers: int | None) -> dict | None:
     """Totals and per-round means of the phases, the draft step's mean time (prefetch issuing
     excluded), the verification's compute time per distinct (layer, expert) it read (its transfer
     wait excluded) and, where every round measured it (``kernel_rounds == rounds``), the part of it
@@ -117,7 +117,7 @@ def phase_summary(totals: Mapping[str, float], moe_layers: int) -> dict | None:
     return out
 
 
-def pool_phases(reports: Sequence[Mapping | None], moe_layers: int) -> dict | None:
+def pool_phases(reports: Sequence[Mapping | None], moe_layers: int | None) -> dict | None:
     """One ``phase_summary`` over several runs' phase reports (``phase_summary`` outputs, e.g. a
     bench row's repeats): their totals summed, the kernels' share only where every run measured
     it; None when no run has rounds."""
