@@ -80,8 +80,7 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   with the rest). A round whose ``path_trial`` is set (a compiled engine tried a path it had
   measured slower) counts for acceptance only: its times are the trial's, and a width first seen
   through a trial (a fused verification draining every transfer, 2x the layered one at width 5)
-  would otherwise be judged by it and not chosen again (compiled, 50% on ``local``: 20 plain
-  rounds in a row).
+  would otherwise be judged by it and not chosen again (compiled, 50% on ``local``: 20 plain rounds).
 - ``table()`` gives, for every k, the expected accepted tokens, predicted round time and tokens/s;
   ``predicted_round_s`` is the prediction for the k last returned (None while calibrating).
 Switching speculation off (k = 0 chosen, not probed) or back on is logged once per switch
@@ -387,13 +386,15 @@ class RooflineGovernor(Governor):
         self._report_from = len(self.history)
 
     def summary(self) -> dict:
-        """The report's governor entry: the roofline table, and over the rounds since
-        ``new_report``, the k chosen per round and how far the predicted round times were from
-        the measured ones (``prediction_by_k``; the errors: at the k of most rounds)."""
+        """The report's governor entry: the roofline table, and over the rounds since ``new_report``
+        the k chosen per round and how far the predicted round times were from the measured ones
+        (``prediction_by_k``; the errors: at the k of most rounds, ``prediction_k``, over its rounds)."""
         history = self.history[self._report_from:]
         per_k = prediction_by_k(history)
-        main = max(per_k.values(), key=lambda row: row["rounds"], default={})
+        main_k = max(per_k, key=lambda k: per_k[k]["rounds"], default=None)
+        main = per_k.get(main_k, {})
         return {"name": self.name, "k_max": self.k_max, "table": self.table(),
                 "trace": [h["k"] for h in history], "probes": sum(h["probe"] for h in history),
                 "cut_rounds": sum(h["cut"] for h in history), "prediction": per_k,
-                "prediction_error": main.get("error"), "prediction_total_error": main.get("total_error")}
+                "prediction_error": main.get("error"), "prediction_total_error": main.get("total_error"),
+                "prediction_k": None if main_k is None else int(main_k), "prediction_rounds": main.get("rounds")}

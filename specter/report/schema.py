@@ -119,7 +119,10 @@ def _governor_text(governor: dict | None) -> str:
     error, total = governor.get("prediction_error"), governor.get("prediction_total_error")
     if error is None:
         return f"{governor.get('name')}"
-    return f"{governor.get('name')} ({error:.1%} median" + ("" if total is None else f", {total:.1%} total") + ")"
+    where = governor.get("prediction_k")  # the width of most rounds, the one the errors are of
+    rounds = governor.get("prediction_rounds")
+    at = "" if where is None else f"at k = {where}" + ("" if rounds is None else f", {rounds} rounds") + ": "
+    return f"{governor.get('name')} ({at}{error:.1%} median" + ("" if total is None else f", {total:.1%} total") + ")"
 
 
 def format_summary(report: dict) -> str:

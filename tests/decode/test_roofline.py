@@ -91,6 +91,9 @@ def test_predicted_round_time_matches_the_measured_one():
     drive(governor, machine, 100)
     summary = governor.summary()
     assert summary["prediction_error"] < 0.05 and summary["prediction_total_error"] < 0.05
+    main = summary["prediction"][str(summary["prediction_k"])]  # the errors are of the width of most rounds
+    assert summary["prediction_rounds"] == main["rounds"] == max(row["rounds"] for row in summary["prediction"].values())
+    assert summary["prediction_error"] == main["error"]
     assert len(summary["table"]) == governor.k_max + 1 and len(summary["trace"]) == 100
 
 

@@ -136,6 +136,10 @@ def test_format_summary_renders_full_and_sparse_reports(model):
     governed = dict(full, governor={"name": "roofline", "prediction_error": 0.171, "prediction_total_error": 0.044})
     assert any(line.startswith("governor") and line.rstrip().endswith("roofline (17.1% median, 4.4% total)")
                for line in format_summary(governed).splitlines())
+    governed["governor"].update(prediction_k=24, prediction_rounds=4)  # the width the errors are of
+    assert any(line.startswith("governor") and line.rstrip().endswith("roofline (at k = 24, 4 rounds: 17.1% median, "
+                                                                       "4.4% total)")
+               for line in format_summary(governed).splitlines())
 
 
 def test_the_summary_counts_slow_memory_only_where_the_process_timed_any(model):
