@@ -17,6 +17,8 @@ Contract:
   its output and is called eagerly only, with no fake implementation); ``draft_qkv`` and
   ``draft_attend_route`` (``native_rows``: the lean draft step's attention half of a layer,
   called eagerly only, with no fake implementation);
+  ``blocked_rows`` (``specter.kernels.blocked_rows``: float32 rows against K-major blocked
+  weights; not yet used by the engines);
   ``stream_copy`` and ``paced_copy`` (``specter.memory.stream_copy``, the links' large host
   copies) mutate their destinations and are not called from compiled graphs.
 - A build lock (torch's ``lock`` file in the build directory) older than ``STALE_LOCK_S`` is
@@ -41,7 +43,8 @@ from torch import Tensor
 
 log = logging.getLogger("specter.native")
 NAME = "specter_native"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemv.cpp", "grouped_rows.cpp", "draft_layer.cpp", "stream_copy.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("int4_gemv.cpp", "grouped_rows.cpp", "draft_layer.cpp", "stream_copy.cpp", "blocked_rows.cpp")]
 STALE_LOCK_S = 300.0
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "reason": None once built and usable, else why not
@@ -70,6 +73,7 @@ def _build() -> str | None:
     torch.library.register_fake("specter_native::int4_rows")(_fake_int4_rows)
     torch.library.register_fake("specter_native::int4_glu_token")(_fake_int4_glu_token)
     torch.library.register_fake("specter_native::normed_rows")(_fake_normed_rows)
+    torch.library.register_fake("specter_native::blocked_rows")(_fake_grouped_rows)
     return None
 
 

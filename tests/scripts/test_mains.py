@@ -14,10 +14,11 @@ import pytest
 from specter import native
 
 ROOT = Path(__file__).resolve().parents[2]
-NATIVE = {"fresh_expert_reads.py", "wave_bookkeeping.py"}  # call specter_native ops directly
+NATIVE = {"blocked_rows_bench.py", "fresh_expert_reads.py", "wave_bookkeeping.py"}  # call specter_native ops directly
 RUNS = {
     "acceptance_estimate_sim.py": [],
     "bench_expert_kernel.py": ["--slots", "4", "--hidden", "64", "--inter", "256"],
+    "blocked_rows_bench.py": ["--experts", "2", "--hidden", "64", "--inter", "128", "--rows", "1,3", "--calls", "4"],
     "cache_replay.py": ["--slots", "8", "--widths", "1,2"],
     "copy_contention.py": ["--expert-mib", "1", "--repeats", "1"],
     "draft_step_parts.py": [],
