@@ -10,14 +10,7 @@ import torch
 from specter import native
 from specter.kernels import blocked_rows
 from specter.testing.marks import needs_native
-
-
-def reference(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    out, start = [], 0
-    for group, end in enumerate(ends.tolist()):
-        out.append(x[start:end].double() @ w[group].double().T)
-        start = end
-    return torch.cat(out)
+from specter.testing.reference import grouped_rows as reference
 
 
 def weights(shape: tuple[int, ...], seed: int) -> torch.Tensor:

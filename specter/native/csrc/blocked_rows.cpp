@@ -20,12 +20,12 @@
 // reads fastest from the hardware prefetcher alone (the weight is one contiguous stream); with
 // more rows the loads come later in each line's time and need it (tuned with the two ops above).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <immintrin.h>
+#include "row_groups.h"
 
 namespace {
 
@@ -124,30 +124,8 @@ void rows_times_blocked(const float* xp, int64_t start, int64_t end, const float
 }  // namespace
 
 at::Tensor blocked_rows(const at::Tensor& x, const at::Tensor& wb, const at::Tensor& ends) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "blocked_rows: x must be a contiguous float32 [P, K] tensor");
-  TORCH_CHECK(wb.dim() == 3 && wb.scalar_type() == at::kFloat && wb.is_contiguous(),
-              "blocked_rows: wb must be a contiguous float32 [S, N, K] tensor (blocked)");
-  TORCH_CHECK(ends.dim() == 1 && ends.scalar_type() == at::kLong && ends.size(0) == wb.size(0),
-              "blocked_rows: ends must be an int64 [S] tensor");
-  const int64_t p = x.size(0), k = x.size(1), s = wb.size(0), n = wb.size(1);
-  TORCH_CHECK(wb.size(2) == k, "blocked_rows: wb's last dimension must equal x's");
-  TORCH_CHECK(n % kBlock == 0, "blocked_rows: N must be a multiple of ", kBlock);
-  auto ends_c = ends.contiguous();
-  const int64_t* ep = ends_c.data_ptr<int64_t>();
-  TORCH_CHECK(s == 0 || ep[s - 1] == p, "blocked_rows: ends[-1] must equal the number of rows");
-  auto out = at::empty({p, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = wb.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  int64_t start = 0;
-  for (int64_t g = 0; g < s; ++g) {
-    const int64_t end = ep[g];
-    TORCH_CHECK(end >= start && end <= p, "blocked_rows: ends must be non-decreasing and at most P");
-    if (end > start) rows_times_blocked(xp, start, end, wp + g * n * k, n, k, op);
-    start = end;
-  }
-  return out;
+  TORCH_CHECK(wb.dim() != 3 || wb.size(1) % kBlock == 0, "blocked_rows: N must be a multiple of ", kBlock);
+  return specter_rows::for_each_row_group("blocked_rows", x, wb, ends, rows_times_blocked);
 }
 
 int64_t blocked_ahead(int64_t floats) {

@@ -27,6 +27,7 @@
 #include <tuple>
 #include "rows_math.h"
 #include "rows_math512.h"
+#include "row_groups.h"
 
 namespace {
 
@@ -180,29 +181,8 @@ void glu_rows(at::Tensor out, const at::Tensor& x, const float* gate_up, const f
 }  // namespace
 
 at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "grouped_rows: x must be a contiguous float32 [P, K] tensor");
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.is_contiguous(),
-              "grouped_rows: w must be a contiguous float32 [S, N, K] tensor");
-  TORCH_CHECK(ends.dim() == 1 && ends.scalar_type() == at::kLong && ends.size(0) == w.size(0),
-              "grouped_rows: ends must be an int64 [S] tensor");
-  const int64_t p = x.size(0), k = x.size(1), s = w.size(0), n = w.size(1);
-  TORCH_CHECK(w.size(2) == k && k % 16 == 0, "grouped_rows: w's last dimension must equal x's, a multiple of 16");
-  auto ends_c = ends.contiguous();
-  const int64_t* ep = ends_c.data_ptr<int64_t>();
-  TORCH_CHECK(s == 0 || ep[s - 1] == p, "grouped_rows: ends[-1] must equal the number of rows");
-  auto out = at::empty({p, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  int64_t start = 0;
-  for (int64_t g = 0; g < s; ++g) {
-    const int64_t end = ep[g];
-    TORCH_CHECK(end >= start && end <= p, "grouped_rows: ends must be non-decreasing and at most P");
-    if (end > start) rows_times_weight(xp, start, end, wp + g * n * k, n, k, op);
-    start = end;
-  }
-  return out;
+  TORCH_CHECK(x.dim() != 2 || x.size(1) % 16 == 0, "grouped_rows: K must be a multiple of 16");
+  return specter_rows::for_each_row_group("grouped_rows", x, w, ends, rows_times_weight);
 }
 
 // Pairs (token t, choice j) numbered p = t * top_k + j, tokens x [T, H], weights [P] (P = T * top_k):
