@@ -26,28 +26,20 @@
 #include <cstdint>
 #include <immintrin.h>
 #include "row_groups.h"
+#include "rows_math512.h"
 
 namespace {
 
-#define SPECTER_BLOCKED_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl")))
-
 constexpr int64_t kBlock = 16;             // outputs a block
 std::atomic<int64_t> ahead_floats{1024};  // each weight line is prefetched this far ahead (0: none)
-std::atomic<int64_t> prefetch_min_rows{2};  // fewer rows a group: the hardware prefetcher alone
-constexpr int kWideRows = 8;               // rows a pass, AVX-512 (8 accumulators + the weights)
+std::atomic<int64_t> prefetch_from_rows{2};  // fewer rows a group: the hardware prefetcher alone
 constexpr int kNarrowRows = 6;             // rows a pass, AVX2 (12 accumulators, two halves each)
 
 std::atomic<bool> wide_enabled{true};
 
-bool wide_supported() {
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                                __builtin_cpu_supports("avx512vl");
-  return supported;
-}
-
 // One block (16 outputs) of one weight for R rows of x (row stride k), into out (row stride ldo).
 template <int R>
-SPECTER_BLOCKED_AVX512 void block16(const float* wb, const float* x, int64_t k, float* out, int64_t ldo,
+SPECTER_AVX512 void block16(const float* wb, const float* x, int64_t k, float* out, int64_t ldo,
                                    int64_t ahead) {
   __m512 a[R];
   for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
@@ -78,7 +70,7 @@ void block8x2(const float* wb, const float* x, int64_t k, float* out, int64_t ld
   }
 }
 
-SPECTER_BLOCKED_AVX512 void block16_any(int rows, const float* wb, const float* x, int64_t k, float* out,
+SPECTER_AVX512 void block16_any(int rows, const float* wb, const float* x, int64_t k, float* out,
                                         int64_t ldo, int64_t ahead) {
   switch (rows) {
     case 1: block16<1>(wb, x, k, out, ldo, ahead); break;
@@ -106,9 +98,9 @@ void block8x2_any(int rows, const float* wb, const float* x, int64_t k, float* o
 // Rows start .. end of x [P, k] times one blocked weight [n / 16, k, 16] into out [P, n].
 void rows_times_blocked(const float* xp, int64_t start, int64_t end, const float* wb, int64_t n, int64_t k,
                         float* op) {
-  const bool wide = wide_enabled.load(std::memory_order_relaxed) && wide_supported();
-  const int64_t pass = wide ? kWideRows : kNarrowRows;
-  const int64_t ahead = end - start >= prefetch_min_rows.load(std::memory_order_relaxed)
+  const bool wide = wide_enabled.load(std::memory_order_relaxed) && specter_rows::avx512_supported();
+  const int64_t pass = wide ? specter_rows::kWideRows : kNarrowRows;  // eight: 8 accumulators
+  const int64_t ahead = end - start >= prefetch_from_rows.load(std::memory_order_relaxed)
                             ? ahead_floats.load(std::memory_order_relaxed) : 0;
   for (int64_t b = 0; b < n / kBlock; ++b)
     for (int64_t r = start; r < end; r += pass) {
@@ -134,13 +126,13 @@ int64_t blocked_ahead(int64_t floats) {
 }
 
 int64_t blocked_prefetch_min_rows(int64_t rows) {
-  if (rows >= 1) prefetch_min_rows.store(rows);
-  return prefetch_min_rows.load();
+  if (rows >= 1) prefetch_from_rows.store(rows);
+  return prefetch_from_rows.load();
 }
 
 int64_t blocked_wide(int64_t mode) {
   if (mode >= 0) wide_enabled.store(mode > 0);
-  return wide_enabled.load() && wide_supported() ? 1 : 0;
+  return wide_enabled.load() && specter_rows::avx512_supported() ? 1 : 0;
 }
 
 TORCH_LIBRARY_FRAGMENT(specter_native, m) {

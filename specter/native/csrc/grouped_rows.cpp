@@ -113,12 +113,6 @@ int64_t default_short_pass_rows() {
 }
 std::atomic<int64_t> short_pass_rows{default_short_pass_rows()};
 
-bool wide_supported() {
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                                __builtin_cpu_supports("avx512vl");
-  return supported;
-}
-
 // The four-weight-row forms (long rows) leave their four streams to the hardware prefetcher at any
 // number of rows: one thread, this project's AMD EPYC VM, 40 widened experts' [256, 4096] down
 // weights cycled from memory, interleaved call by call, 4 / 8 / 16 / 24 rows 0.293 / 0.327 / 0.525 /
@@ -146,7 +140,8 @@ SPECTER_AVX512 void rows_times_weight_wide(const float* xp, int64_t start, int64
 // Rows start .. end of x [P, k] times the weight wg [n, k]^T into out [P, n].
 void rows_times_weight(const float* xp, int64_t start, int64_t end, const float* wg, int64_t n, int64_t k,
                        float* op) {
-  const bool wide = end - start >= 2 && wide_enabled.load(std::memory_order_relaxed) && wide_supported();
+  const bool wide =
+      end - start >= 2 && wide_enabled.load(std::memory_order_relaxed) && specter_rows::avx512_supported();
   const bool prefetch = specter_rows::prefetch_for(end - start);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t stop) {
     if (wide) {
@@ -284,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor> normed_rows(const at::Tensor& h, const at::Te
 // 0: never, -1: unchanged); returns whether they do now (tests and A/B timings).
 int64_t wide_rows(int64_t mode) {
   if (mode >= 0) wide_enabled.store(mode > 0);
-  return wide_enabled.load() && wide_supported() ? 1 : 0;
+  return wide_enabled.load() && specter_rows::avx512_supported() ? 1 : 0;
 }
 
 // short_pass_rows(rows): the most rows a pass of the AVX-512 form takes over a short weight row

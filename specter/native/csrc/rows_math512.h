@@ -20,6 +20,13 @@ namespace specter_rows {
 
 constexpr int kWideRows = 8;
 
+// Whether this CPU runs the forms built with SPECTER_AVX512 (the row kernels' and blocked_rows').
+inline bool avx512_supported() {
+  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                                __builtin_cpu_supports("avx512vl");
+  return supported;
+}
+
 template <int R>
 SPECTER_AVX512 inline void dot16(const float* w, const float* x, int64_t k, float* out, int64_t ldo, bool prefetch) {
   __m512 a[R];
