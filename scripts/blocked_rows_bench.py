@@ -60,5 +60,6 @@ def main() -> None:
             today, blocked = statistics.median(times["today"]), statistics.median(times["blocked"])
             print(f"{name:12} {rows:>4}  {today:>8.0f}  {blocked:>10.0f}  {blocked / today:>15.2f}")
 
+
 if __name__ == "__main__":
     main()
