@@ -93,11 +93,12 @@ class OffloadHandle:
 
     @contextlib.contextmanager
     def real_experts(self) -> Iterator[None]:
-        """For the duration, the model's expert parameters are the host store's real tensors (on
-        the host) instead of the empty placeholders; ``save_pretrained`` runs inside this."""
+        """For the duration, the model's expert parameters are the host store's experts (on the
+        host, in the standard layout: ``store.standard``) instead of the empty placeholders;
+        ``save_pretrained`` runs inside this."""
         placeholders = {}
         for info in self.runtime.layers.values():
-            for name, tensor in self.store.stacked(info.layer).items():
+            for name, tensor in self.store.standard(info.layer).items():
                 placeholders[(info.layer, name)] = getattr(info.experts, name)
                 setattr(info.experts, name, torch.nn.Parameter(tensor, requires_grad=False))
         try:
@@ -132,7 +133,7 @@ class OffloadHandle:
         uninstall(self.model)
         for info in self.runtime.layers.values():
             device = next(p.device for p in info.experts.parameters())
-            for name, tensor in self.store.stacked(info.layer).items():
+            for name, tensor in self.store.standard(info.layer).items():
                 setattr(info.experts, name, torch.nn.Parameter(tensor.to(device), requires_grad=False))
         self.link.close()
 
@@ -163,7 +164,7 @@ def offload(
     n_slots = slots_for_budget(recipe, views, max(m.top_k for m in moe_layers(model)))
     policy = registry().create("cache_policy", cache_policy, {}, key="cache_policy")
     the_link = make_link(recipe, device)
-    layers, store = split_experts(model, pin=device.type == "cuda")
+    layers, store = split_experts(model, pin=device.type == "cuda")  # blocked where expert_layout chooses
     if device.type == "cuda":
         torch.cuda.empty_cache()
     cache = ExpertCache(store, n_slots, device, the_link, policy)

@@ -3,7 +3,8 @@
 For a tiny random-weight model of every supported architecture (16 experts per MoE layer) and
 budgets of 10%, 25% and 50% of all experts, ``ondemand`` must match ``resident`` token for token,
 and ``resident`` must match plain ``transformers`` ``generate`` (fp32). Prompts are longer than
-the 10% cache so prefill has to stream experts through the slots.
+the 10% cache so prefill has to stream experts through the slots. The blocked expert layout keeps
+every engine lossless too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import specter
+from specter.model import expert_layout
+from specter.testing.marks import needs_native
 from specter.testing.zoo import ARCHITECTURES, save_random_checkpoint
 
 BUDGETS = (0.1, 0.25, 0.5)
@@ -61,3 +64,28 @@ def test_ondemand_matches_resident_and_transformers(arch, checkpoints):
         assert 0.0 <= report["hit_rate"] <= 1.0
         assert report["cache"]["prefill"]["misses"] > 0
         engine.close()
+
+
+@needs_native
+def test_blocked_experts_keep_every_engine_lossless(tmp_path, monkeypatch):
+    """With the size floor lowered, a tiny Mixtral's experts are kept blocked by every engine
+    (``resident``'s own modules, the shared host store and so the cache slots, the disk tier's
+    reads): each engine's greedy tokens equal ``resident``'s, which equal the standard layout's."""
+    path = str(save_random_checkpoint("mixtral", tmp_path / "mixtral", seed=1, hidden=64, intermediate=64, layers=2))
+    standard = specter.load(recipe(path, "resident")).generate(PROMPTS)
+    assert standard.report["expert_layout"] == "standard"  # the floor: tiny experts stay standard
+    monkeypatch.setattr(expert_layout, "BLOCKED_MIN_BYTES", 0)
+    resident = specter.load(recipe(path, "resident")).generate(PROMPTS)
+    assert resident.report["expert_layout"] == "blocked"
+    assert resident.token_ids == standard.token_ids
+    speculative = {"speculation": {"governor": {"name": "fixed", "k": 4}}}
+    disk = {"offload": {"experts_on": "disk", "link": {"kind": "disk"}, "expert_budget": 0.25}}
+    for engine, extra in [("ondemand", {}), ("specter", speculative), ("specter", disk | speculative)]:
+        data = recipe(path, engine, 0.25)
+        data["offload"] |= extra.get("offload", {})
+        data["speculation"] = extra.get("speculation", {})
+        loaded = specter.load(data)
+        result = loaded.generate(PROMPTS)
+        assert result.report["expert_layout"] == "blocked", (engine, extra)
+        assert result.token_ids == resident.token_ids, (engine, extra)
+        loaded.close()

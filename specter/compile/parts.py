@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import statistics
 import time
 from typing import Callable
@@ -16,14 +17,20 @@ from torch import Tensor, nn
 
 from specter.compile.host_layer import layer_experts, layer_routed, layer_slots
 from specter.kernels import native_rows
+from specter.model.expert_layout import is_blocked
 from specter.kernels.grouped_experts import native_grouped_experts
 from specter.kernels.slot_experts import gather_experts, slots_for
 
 
-def _pairs_kernel(x_like: Tensor, gate_up: Tensor, down: Tensor):
+def _pairs_kernel(x_like: Tensor, gate_up: Tensor, down: Tensor, blocked: bool):
     """The experts kernel a graph traces: Specter's grouped native rows (each chosen expert read
-    once for all its tokens) where they serve these weights, else ``gather_experts`` (per pair)."""
-    return native_grouped_experts if native_rows.serves(x_like, gate_up, down) else gather_experts
+    once for all its tokens; ``blocked``: the weights are stored blocked) where they serve these
+    weights, else ``gather_experts`` (per pair; the standard layout only)."""
+    if native_rows.serves(x_like, gate_up, down):
+        return functools.partial(native_grouped_experts, blocked=blocked)
+    if blocked:
+        raise RuntimeError("blocked experts need Specter's native kernels, which do not serve these weights")
+    return gather_experts
 
 
 @dataclasses.dataclass
@@ -49,7 +56,7 @@ class OwnExperts:
         self.down = [m.down_proj for m in modules]  # [E, H, I] each
         self.apply_gate = modules[0]._apply_gate
         probe = self.gate_up[0].new_zeros(1, self.gate_up[0].shape[-1])
-        self.kernel = _pairs_kernel(probe, self.gate_up[0], self.down[0])
+        self.kernel = _pairs_kernel(probe, self.gate_up[0], self.down[0], is_blocked(modules[0]))
 
     def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
         y = self.kernel(x, top_k_index, top_k_weights, self.gate_up[row], self.down[row], self.apply_gate)
@@ -67,7 +74,8 @@ class SlotExperts:
         self.gate_up = cache.slots["gate_up_proj"]  # [n_slots, 2I, H]
         self.down = cache.slots["down_proj"]  # [n_slots, H, I]
         self.apply_gate = module._apply_gate
-        self.kernel = _pairs_kernel(self.gate_up.new_zeros(1, self.gate_up.shape[-1]), self.gate_up, self.down)
+        self.kernel = _pairs_kernel(self.gate_up.new_zeros(1, self.gate_up.shape[-1]), self.gate_up, self.down,
+                                    bool(getattr(cache.store, "blocked", False)))
         self.host_handle = host.handle if host is not None else None
         self.host_computes = host is not None and host.computes
 

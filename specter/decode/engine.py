@@ -29,6 +29,7 @@ import torch
 from specter.memory.stats import CacheStats
 from specter.errors import SpecterError
 from specter.experts.runtime import ExpertRuntime, install, use_grouped_kernel
+from specter.model.expert_layout import is_blocked
 from specter.decode.kv import forward_logits, new_kv_cache, synchronize
 from specter.report.metrics import GenerationMetrics
 from specter.decode.sampling import SamplingParams, sample
@@ -295,6 +296,7 @@ class ResidentEngine(Engine):
         return {
             "expert_budget": {"experts": n_experts, "bytes": expert_bytes, "fraction": 1.0},
             "expert_kernel": self.expert_kernel,
+            "expert_layout": "blocked" if any(is_blocked(m.experts) for m in layers) else "standard",
             "device_bytes": {"draft": None, "cache": expert_bytes, "dense": dense, "total": dense + expert_bytes},
         }
 
@@ -346,6 +348,7 @@ class OffloadedEngine(Engine):
                 "fraction": self.cache.fraction_held,
             },
             "device_bytes": {"draft": None, "cache": self.cache.bytes, "dense": dense, "total": dense + self.cache.bytes},
+            "expert_layout": "blocked" if getattr(self.cache.store, "blocked", False) else "standard",
             "hit_rate": stats.hit_rate(),
             "bytes_transferred": stats.bytes_transferred + self.prefill_stats.bytes_transferred,
             "decode_bytes_transferred": stats.bytes_transferred,

@@ -48,11 +48,12 @@ from specter.memory.scheduler import PrefetchScheduler
 def build_draft(layers, store, device: torch.device, group_size: int,
                 huge_pages: bool = False) -> dict[int, Int4Experts]:
     """INT4 copies of every MoE layer's routed experts, resident on ``device``, quantized one layer
-    at a time from the host store (only one layer's full-precision experts visit the device);
+    at a time from the host store in the standard layout (``store.standard``: only one layer's
+    full-precision experts visit the device);
     ``huge_pages``: their packed weights on 2 MiB pages (CPU tensors only; ``huge_pages.rehome``)."""
     draft = {}
     for info in layers:
-        weights = {name: tensor.to(device) for name, tensor in store.stacked(info.layer).items()}
+        weights = {name: tensor.to(device) for name, tensor in store.standard(info.layer).items()}
         proxy = SlotView(info.experts, weights)
         draft[info.layer] = Int4Experts.from_module(proxy, group_size=group_size)
         if huge_pages:

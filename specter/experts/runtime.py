@@ -4,7 +4,8 @@ Contract:
 - ``use_grouped_kernel(model)`` points a model whose experts stay its own (the ``resident``
   engine) at ``specter.kernels.grouped_experts`` on a CPU, when every experts module has the
   layout it covers, so that the resident speed limit uses the same expert kernel as the offloaded
-  engines; returns whether it did.
+  engines, with the experts in the layout they choose (``specter.model.expert_layout``: blocked
+  in place where ``chooses_blocked``); returns whether it did.
 - ``install(model, runtime)`` registers the ``"specter"`` experts implementation
   (``transformers.integrations.moe.ExpertsInterface``) and points every routed-experts module of
   the model at ``runtime``; ``uninstall(model)`` restores the model's previous implementation.
@@ -17,7 +18,8 @@ Contract:
   a CPU, for the common gated layout, ``specter.kernels.grouped_experts`` (every needed expert
   read once for all the tokens routed to it, no per-expert Python loop, no host sync); otherwise
   transformers' own grouped-GEMM expert math (``grouped_mm_experts_forward``). Both agree with
-  the model's own experts to float rounding.
+  the model's own experts to float rounding. Slots hold the store's layout (``store.blocked``:
+  blocked, ``specter.model.expert_layout``), which the slot views pass to the kernels.
 - Waves (``waves``, on by default; Specter's native kernel only, where one pair's bits depend on
   its own token and expert alone): a layer whose experts are not all READY acquires them without
   waiting and computes them as their copies arrive, each wave the experts READY then; a wave's
@@ -51,6 +53,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
+from specter.model.expert_layout import block_module, chooses_blocked, is_blocked, mark
 from specter.kernels.grouped_experts import (PairsByExpert, PairsBySlot, grouped_experts, is_silu_glu, supports,
                                              takes_native)
 from specter.model.layout import MoELayer
@@ -80,7 +83,7 @@ def _grouped_experts_forward(
     if hidden_states.device.type != "cpu" or not supports(self):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return grouped_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                           self._apply_gate)
+                           self._apply_gate, is_blocked(self))
 
 
 def register_implementation() -> None:
@@ -98,6 +101,10 @@ def use_grouped_kernel(model: nn.Module) -> bool:
         return False
     register_implementation()
     model.set_experts_implementation(GROUPED_IMPLEMENTATION_NAME)
+    for info in layers:
+        weight = info.experts.gate_up_proj
+        if not is_blocked(info.experts) and chooses_blocked(info.experts, weight.dtype, weight.device):
+            block_module(info.experts)
     return True
 
 
@@ -105,8 +112,9 @@ class SlotView(nn.Module):
     """Stands in for an experts module inside ``grouped_mm_experts_forward``: same flags, gate and
     activation as the real module, but its stacked tensors are the cache's slot buffers."""
 
-    def __init__(self, module: nn.Module, slots: dict[str, torch.Tensor]) -> None:
+    def __init__(self, module: nn.Module, slots: dict[str, torch.Tensor], blocked: bool = False) -> None:
         super().__init__()
+        mark(self, blocked)  # the slots hold experts blocked (specter.model.expert_layout)
         object.__setattr__(self, "_module", module)
         self.num_experts = next(iter(slots.values())).shape[0]
         for flag in ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm"):
@@ -134,7 +142,8 @@ class ExpertRuntime:
         self.draft = draft or {}
         self.mode = "target"
         self.observers: list[RoutingObserver] = []
-        self._views = {m.layer: SlotView(m.experts, cache.slots) for m in layers} if cache is not None else {}
+        blocked = bool(getattr(cache.store, "blocked", False)) if cache is not None else False
+        self._views = {m.layer: SlotView(m.experts, cache.slots, blocked) for m in layers} if cache is not None else {}
         self._silu_glu = {m.layer: is_silu_glu(m.experts) for m in layers}  # waves through PairsByExpert
         self.waves = True  # see _compute_in_waves; False: one wait for all of a layer's experts
         self.on_release: Callable[[int, list[int]], None] | None = None  # (layer, experts) freed mid-layer
@@ -208,12 +217,12 @@ class ExpertRuntime:
                                       top_k_weights)
             slot_of = dict(zip(experts, slots))
             if silu_glu:
-                by_expert = PairsByExpert(hidden, top_k_index, top_k_weights, pair_experts)
+                by_expert = PairsByExpert(hidden, top_k_index, top_k_weights, pair_experts, is_blocked(view))
                 pairs, compute = by_expert, lambda wave: by_expert.compute(
                     wave, [slot_of[e] for e in wave], view.gate_up_proj, view.down_proj)
             else:
                 by_slot = PairsBySlot(hidden, self._pair_slots(layer, experts, slots, top_k_index), top_k_weights,
-                                      view.gate_up_proj.shape[0])
+                                      view.gate_up_proj.shape[0], is_blocked(view))
                 pairs, compute = by_slot, lambda wave: by_slot.compute(
                     [slot_of[e] for e in wave], view.gate_up_proj, view.down_proj, view._apply_gate)
             while True:
@@ -250,7 +259,8 @@ class ExpertRuntime:
                 # compute from a copy of the slots this layer uses
                 slot_ids = torch.tensor(slots, dtype=top_k_index.dtype, device=top_k_index.device)
                 view = SlotView(self.layers[layer].experts,
-                                {name: buffer.index_select(0, slot_ids) for name, buffer in self.cache.slots.items()})
+                                {name: buffer.index_select(0, slot_ids) for name, buffer in self.cache.slots.items()},
+                                is_blocked(view))
                 slots = list(range(len(slots)))
             return self._one_pass(view, hidden, self._pair_slots(layer, experts, slots, top_k_index), top_k_weights)
         finally:

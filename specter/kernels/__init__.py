@@ -7,7 +7,8 @@ runs rows through their own experts' INT4 weights in place (compiled draft steps
 weights (cache slots), the CPU path, through ``native_rows`` (Specter's grouped float32 kernel)
 where it builds (the native code is built by ``specter.native``).
 ``slot_experts``: the compiled paths' gather over the slot table where the native kernel does not
-serve."""
+serve. ``blocked_rows``: the kernel of the K-major blocked layout large float32 experts are kept in on
+a CPU (``specter.model.expert_layout``)."""
 
 from specter.kernels.int4 import Int4Weight, quantize_int4
 from specter.kernels.int4_experts import Int4Experts, quantize_model_experts

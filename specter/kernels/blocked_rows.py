@@ -1,10 +1,9 @@
 """Float32 rows against weights in a K-major blocked layout (Specter's native ``csrc/blocked_rows.cpp``).
 
 Contract:
-- ``block(w [S, N, K] or [N, K]) -> same shape``: a contiguous copy whose memory holds each weight
-  as [N / 16, K, 16] (the 16 outputs of a block side by side for each k); N % 16 == 0, float32.
-  ``unblock(wb)`` inverts it (``unblock(block(w))`` equals ``w``). The shape is kept, so a blocked
-  tensor can stand where the weight stood, but only this module's kernel reads it right.
+- ``block(w [S, N, K] or [N, K]) -> same shape`` and ``unblock(wb)``: the layout
+  (``specter.memory.blocked_layout``): each weight as [N / 16, K, 16], the 16 outputs of a block
+  side by side for each k; N % 16 == 0.
 - ``serves(x, wb) -> bool``: the kernel can compute ``x`` against ``wb``: a CPU, float32, a
   contiguous [S, N, K] weight with N % 16 == 0 and K equal to x's, Specter's native kernels
   available.
@@ -22,9 +21,10 @@ weight's stream on one core. Blocked, one weight vector serves every row with x 
 weights stream contiguously. In place (``python scripts/blocked_rows_bench.py``, this project's
 AMD EPYC VM, one thread, 40 widened experts cycled, two runs), blocked against today: [8192, 256]
 at 1 / 2 / 4 / 8 rows 0.98 / 0.88-0.91 / 0.75-0.87 / 0.74-0.80 of the time, [256, 4096] 0.92-1.01 /
-0.73-0.89 / 0.67-0.79 / 0.85 (design notes, stop 66). Not yet used by the engines: the experts'
-host store, cache slots and ``resident``'s CPU parameters would all change layout together
-(verification keeps a single step's bits only if every engine sums alike).
+0.73-0.89 / 0.67-0.79 / 0.85 (design notes, stop 66). The engines keep large float32 experts blocked on a CPU
+(``specter.model.expert_layout``: the host store, hence the cache slots, and ``resident``'s own
+modules together, so every engine sums alike and verification keeps a single step's bits); the
+kernels read them through ``native_rows.grouped_rows`` / ``glu_expert_pairs`` with ``blocked``.
 """
 
 from __future__ import annotations
@@ -33,23 +33,9 @@ import torch
 from torch import Tensor
 
 from specter import native
+from specter.memory.blocked_layout import BLOCK, block, unblock
 
-BLOCK = 16
-
-
-def block(w: Tensor) -> Tensor:
-    *lead, n, k = w.shape
-    if n % BLOCK:
-        raise ValueError(f"block: N = {n} is not a multiple of {BLOCK}")
-    return w.reshape(*lead, n // BLOCK, BLOCK, k).transpose(-1, -2).contiguous().view(w.shape)
-
-
-def unblock(wb: Tensor) -> Tensor:
-    *lead, n, k = wb.shape
-    if n % BLOCK:
-        raise ValueError(f"unblock: N = {n} is not a multiple of {BLOCK}")
-    return wb.contiguous().view(*lead, n // BLOCK, k, BLOCK).transpose(-1, -2).reshape(wb.shape)
-
+__all__ = ["BLOCK", "block", "unblock", "serves", "blocked_rows", "wide"]
 
 def serves(x: Tensor, wb: Tensor) -> bool:
     if x.device.type != "cpu" or wb.device.type != "cpu" or x.dtype != torch.float32 or wb.dtype != torch.float32:

@@ -19,6 +19,9 @@ Contract:
   transposes): each expert's weight rows are read once for its 1-8 tokens at 7-8 GB/s, against
   2.6 ms per 12 MiB expert through ``_grouped_mm`` (above). Elsewhere, and when autograd records
   (the native kernel has no backward), the ``_grouped_mm`` form.
+- ``blocked`` (every entry point; ``specter.model.expert_layout``): ``gate_up`` and ``down`` are
+  stored blocked: the native path reads them with ``blocked_rows``' kernel (its bits), the
+  ``_grouped_mm`` form (autograd, no native kernels) computes from unblocked copies.
 - Numerics: float32 accumulation inside each product as in the model's own path, but a different
   summation order, so results agree with transformers' kernel to rounding, not bit for bit.
 - ``PairsBySlot(x, slot_ids, weights, n_slots)``: the same pairs sorted by slot once, computed a
@@ -48,6 +51,8 @@ from transformers.activations import SiLUActivation
 from transformers.integrations import moe as hf_moe
 
 from specter.kernels import native_rows
+from specter.memory.blocked_layout import unblock
+from specter.model.layout import is_plain_gated
 
 _SILU_TYPES = (nn.SiLU, SiLUActivation)
 _DEFAULT_APPLY_GATE = getattr(hf_moe, "_default_apply_gate", None)  # private in transformers: None if it moves
@@ -55,16 +60,17 @@ _DEFAULT_APPLY_GATE = getattr(hf_moe, "_default_apply_gate", None)  # private in
 ApplyGate = Callable[[Tensor], Tensor]  # [..., 2I] -> [..., I]
 
 
-def supports(module: nn.Module) -> bool:
-    return (bool(getattr(module, "has_gate", False)) and not getattr(module, "has_bias", False)
-            and not getattr(module, "is_transposed", False) and not getattr(module, "has_post_expert_norm", False))
+supports = is_plain_gated  # (module) -> bool: see the module docstring
 
 
 def grouped_experts(
-    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate
+    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate,
+    blocked: bool = False,
 ) -> Tensor:
     if takes_native(x, weights, gate_up, down):
-        return native_grouped_experts(x, ids, weights, gate_up, down, apply_gate)
+        return native_grouped_experts(x, ids, weights, gate_up, down, apply_gate, blocked)
+    if blocked:  # autograd, or no native kernels: the standard layout's copies
+        gate_up, down = unblock(gate_up), unblock(down)
     n_tokens, top_k = ids.shape
     n_groups = gate_up.shape[0]
     pairs = ids.reshape(-1)
@@ -107,7 +113,8 @@ def _needs_grad(*tensors: Tensor) -> bool:
 
 
 def native_grouped_experts(
-    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate
+    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate,
+    blocked: bool = False,
 ) -> Tensor:
     """``grouped_experts`` through ``native_rows.grouped_rows`` (``serves`` must hold). Static
     shapes only (the group ends come from a scatter-add over the stacked experts), so a compiled
@@ -118,25 +125,27 @@ def native_grouped_experts(
     order = torch.sort(pairs, stable=True).indices  # pairs grouped by expert
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=ids.device)
     ends = counts.scatter_add(0, pairs, torch.ones_like(pairs)).cumsum(0)
-    out = _sorted_pairs(x[order // top_k], weights.reshape(-1)[order].unsqueeze(-1), gate_up, down, ends, apply_gate)
+    out = _sorted_pairs(x[order // top_k], weights.reshape(-1)[order].unsqueeze(-1), gate_up, down, ends, apply_gate,
+                        blocked)
     unsorted = torch.zeros_like(out).index_copy(0, order, out)
     return unsorted.view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 def _sorted_pairs(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, ends: Tensor,
-                  apply_gate: ApplyGate) -> Tensor:
+                  apply_gate: ApplyGate, blocked: bool) -> Tensor:
     """Pairs sorted by expert (rows ``ends[s-1] .. ends[s]`` of ``x [P, H]`` run expert ``s``),
     each scaled by its ``weights [P, 1]``: ``[P, H]``, float32."""
-    hidden = apply_gate(native_rows.grouped_rows(x, gate_up, ends))  # [P, I]
-    return native_rows.grouped_rows(hidden, down, ends) * weights
+    hidden = apply_gate(native_rows.grouped_rows(x, gate_up, ends, blocked))  # [P, I]
+    return native_rows.grouped_rows(hidden, down, ends, blocked) * weights
 
 
 class PairsBySlot:
     """A layer's (token, j) pairs sorted by slot once; ``compute`` runs the pairs of some slots
     (rows gathered by a slot mask, the other slots' groups left empty), ``result`` sums over j."""
 
-    def __init__(self, x: Tensor, slot_ids: Tensor, weights: Tensor, n_slots: int) -> None:
+    def __init__(self, x: Tensor, slot_ids: Tensor, weights: Tensor, n_slots: int, blocked: bool = False) -> None:
         self._shape = slot_ids.shape  # [T, k]
+        self._blocked = blocked
         flat = slot_ids.reshape(-1)
         self._order = torch.sort(flat, stable=True).indices
         self._sorted_slots = flat[self._order]
@@ -156,13 +165,14 @@ class PairsBySlot:
             ends = torch.tensor([end - start], device=self._counts.device)
             self._output(down)[start:end] = _sorted_pairs(self._x[start:end], self._weights[start:end],
                                                           gate_up[slots[0] : slots[0] + 1],
-                                                          down[slots[0] : slots[0] + 1], ends, apply_gate)
+                                                          down[slots[0] : slots[0] + 1], ends, apply_gate,
+                                                          self._blocked)
             return
         in_set = torch.zeros_like(self._counts, dtype=torch.bool)
         in_set[torch.tensor(slots, device=in_set.device)] = True
         rows = in_set[self._sorted_slots].nonzero().squeeze(-1)
         ends = torch.where(in_set, self._counts, 0).cumsum(0)
-        out = _sorted_pairs(self._x[rows], self._weights[rows], gate_up, down, ends, apply_gate)
+        out = _sorted_pairs(self._x[rows], self._weights[rows], gate_up, down, ends, apply_gate, self._blocked)
         self._output(down).index_copy_(0, rows, out)
 
     def _output(self, down: Tensor) -> Tensor:
@@ -182,8 +192,10 @@ class PairsByExpert:
     """A layer's (token, j) pairs grouped by expert in host lists; ``compute`` runs some experts'
     pairs in one native call (a silu-gated GLU, ``is_silu_glu``), ``result`` sums over j."""
 
-    def __init__(self, x: Tensor, ids: Tensor, weights: Tensor, pair_experts: list[int] | None = None) -> None:
+    def __init__(self, x: Tensor, ids: Tensor, weights: Tensor, pair_experts: list[int] | None = None,
+                 blocked: bool = False) -> None:
         self._shape = ids.shape  # [T, k]
+        self._blocked = blocked
         self._x = x.contiguous()
         self._weights = weights.reshape(-1).contiguous()
         self._pairs_of: dict[int, list[int]] = {}  # expert -> its pairs p = t * k + j, increasing
@@ -201,7 +213,7 @@ class PairsByExpert:
             pairs += self._pairs_of.get(expert, ())
             starts.append(len(pairs))
         native_rows.glu_expert_pairs(self._out, self._x, gate_up, down, self._weights, self._shape[1], slots, starts,
-                                     pairs)
+                                     pairs, self._blocked)
 
     def result(self) -> Tensor:
         """``[T, H]``: every pair's output summed over j (pairs never computed count as zero)."""

@@ -4,24 +4,28 @@ Contract:
 - ``serves(x, *weights) -> bool``: the kernel can compute ``x`` against these stacked weights: a
   CPU, float32 throughout, contiguous weights whose last dimension (K) is a multiple of 16, and
   Specter's native kernels available (``specter.native``; built on first call).
-- ``grouped_rows(x [P, K], w [S, N, K], ends [S] int64) -> [P, N]``: rows ``ends[s-1] ..
+- ``grouped_rows(x [P, K], w [S, N, K], ends [S] int64, blocked=False) -> [P, N]``: rows ``ends[s-1] ..
   ends[s]`` of ``x`` times ``w[s]^T`` (``ends`` non-decreasing, ending at P; empty groups cost
   nothing). Each weight row is read once for all the rows of its group, float32 FMA accumulators
   per row (a different summation order from BLAS: equal to rounding, not bit for bit); a row's
   result does not depend on how many rows its group has (one token verified with others gets the
   bits it would get alone). ``torch.ops.specter_native.grouped_rows``, with a fake implementation
-  for compiled graphs.
+  for compiled graphs. ``blocked``: ``w`` is stored blocked, computed by ``blocked_rows`` instead
+  (``torch.ops.specter_native.blocked_rows``; N % 16 == 0).
 - ``normed_rows(h [1, K], norm_weight [K], eps, weights) -> (normed [1, K], [1, sum N_i])``: an
   RMS norm of one row (float32, ``normed = h * rsqrt(mean(h^2) + eps) * norm_weight``; the sum of
   squares in a different order from PyTorch's), then each [N_i, K] weight on it, outputs side by
   side (``specter_native::normed_rows``): the draft step's norm-and-projections in one call.
 - ``glu_expert_pairs(out [P, H], x [T, H], gate_up [S, 2I, H], down [S, H, I], weights [P], top_k,
-  groups, starts, pairs)``: pairs ``p = t * top_k + j`` (P = T * top_k); for the i-th expert ``g``
-  of ``groups``, its pairs ``pairs[starts[i]:starts[i + 1]]`` (their tokens' rows of ``x`` in that
-  order), ``(down[g] @ (silu(gate) * up)) * weights[p]`` with ``[gate | up] = gate_up[g] @ x[t]``,
+  groups, starts, pairs, blocked=False)``: pairs ``p = t * top_k + j`` (P = T * top_k); for the
+  i-th expert ``g`` of ``groups``, its pairs ``pairs[starts[i]:starts[i + 1]]`` (their tokens' rows
+  of ``x`` in that order), ``(down[g] @ (silu(gate) * up)) * weights[p]`` with ``[gate | up] =
+  gate_up[g] @ x[t]``,
   written into rows ``p`` of ``out`` (others untouched): a verification wave of any number of
   experts in one call, straight from the layer's routing, the bits of ``grouped_rows``, PyTorch's
-  silu and mul called one by one on the same rows.
+  silu and mul called one by one on the same rows. With ``blocked`` (both weights stored blocked,
+  ``specter.model.expert_layout``) the rows go through ``blocked_rows``' kernel instead, whose
+  bits ``grouped_rows(..., blocked=True)`` gives.
 - ``draft_qkv`` / ``draft_attend_route`` (``layer_serves`` must hold): the lean draft step's
   attention half of a layer for one token, in two calls around the K/V write (their contract:
   ``csrc/draft_layer.cpp``); ``draft_layer``: the whole layer in one call, the K/V write, the
@@ -79,17 +83,21 @@ def serves(x: Tensor, *weights: Tensor) -> bool:
     return native.available()
 
 
-def grouped_rows(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
-    """``x [P, K] @ w[group]^T`` per row group (see the module docstring); ``serves`` must hold."""
+def grouped_rows(x: Tensor, w: Tensor, ends: Tensor, blocked: bool = False) -> Tensor:
+    """``x [P, K] @ w[group]^T`` per row group (see the module docstring); ``serves`` must hold.
+    ``blocked``: ``w`` is stored blocked (``blocked_rows``), read by that kernel."""
+    if blocked:
+        return torch.ops.specter_native.blocked_rows(x.contiguous(), w, ends)
     return torch.ops.specter_native.grouped_rows(x.contiguous(), w, ends)
 
 
 def glu_expert_pairs(out: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, top_k: int,
-                     groups: list[int], starts: list[int], pairs: list[int]) -> None:
+                     groups: list[int], starts: list[int], pairs: list[int], blocked: bool = False) -> None:
     """The gated MLP of expert ``groups[i]`` on its pairs ``pairs[starts[i]:starts[i + 1]]`` into
     those rows of ``out`` (see the module docstring); ``serves`` must hold for ``x``, ``gate_up``
-    and ``down``."""
-    torch.ops.specter_native.glu_expert_pairs(out, x.contiguous(), gate_up, down, weights, top_k, groups, starts, pairs)
+    and ``down``. ``blocked``: both weights are stored blocked, read by ``blocked_rows``' kernel."""
+    torch.ops.specter_native.glu_expert_pairs(out, x.contiguous(), gate_up, down, weights, top_k, groups, starts, pairs,
+                                              blocked)
 
 
 def wide_rows(enabled: bool | None = None) -> bool:

@@ -11,7 +11,8 @@ Contract:
   ``gate_proj/up_proj/down_proj``: the module's ``gate_up_proj`` is gate and up concatenated along
   the output dimension, its ``down_proj`` is w2/down). ``read(layer, expert)`` returns the
   module's tensors for that expert, on the host, in the model's dtype; ``read_into(dst, layer,
-  expert)`` writes them into ``dst`` (a cache slot's views). ``check(layer, reference)`` compares
+  expert)`` writes them into ``dst`` (a cache slot's views), blocked where ``blocked`` is set
+  (``specter.model.expert_layout``: the loader sets it when the engine's experts are kept so). ``check(layer, reference)`` compares
   expert 0 with the loaded model's own tensors, so a mapping that would be wrong is refused.
 - Reads: one ``os.preadv`` per contiguous run of bytes (an expert's tensors are usually adjacent),
   through ``O_DIRECT`` when ``direct`` (page cache bypassed: honest disk figures; the read is
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from specter.errors import SpecterError
+from specter.memory.blocked_layout import block_rows_into
 
 ALIGN = 4096
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -161,6 +163,7 @@ class DiskExperts:
         self._active = 0
         self._busy_since = 0.0
         self._fds: dict[tuple[Path, bool], int] = {}
+        self.blocked = False  # reads write each weight blocked (specter.model.expert_layout)
 
     # ----- mapping ----------------------------------------------------------------------------
 
@@ -225,14 +228,21 @@ class DiskExperts:
         self.read_into(out, layer, expert)
         return out
 
-    def read_into(self, dst: dict[str, torch.Tensor], layer: int, expert: int) -> None:
+    def read_into(self, dst: dict[str, torch.Tensor], layer: int, expert: int, blocked: bool | None = None) -> None:
+        """``blocked``: write the weights blocked (None: ``self.blocked``); ``dst``'s tensors contiguous then."""
+        blocked = self.blocked if blocked is None else blocked
         pieces = self._pieces[layer][expert]
         for run in _contiguous_runs(pieces):
             raw = self._read_range(run[0].source.file, run[0].start, run[-1].end, run[0].source.name)
             for piece in run:
                 view = raw[piece.start - run[0].start: piece.end - run[0].start]
                 tensor = torch.frombuffer(view, dtype=piece.source.dtype).view(piece.shape)
-                dst[piece.param][piece.rows].copy_(tensor)
+                if blocked:  # the piece's rows (a multiple of 16 at a multiple of 16) are one span blocked
+                    width = tensor.shape[-1]
+                    span = dst[piece.param].view(-1)[piece.rows.start * width: piece.rows.stop * width]
+                    block_rows_into(span, tensor)
+                else:
+                    dst[piece.param][piece.rows].copy_(tensor)
 
     def _fd(self, file: Path, direct: bool) -> int:
         key = (file, direct)

@@ -6,7 +6,8 @@ Contract:
   holding experts in memory: ``expert`` returns a ``DiskSource``, a read-only mapping of the
   expert's tensors that reads them from disk the first time they are looked at (so any link, even
   ``local``, copies from it), and that the ``disk`` link reads straight into a cache slot.
-  ``stacked`` reads a whole layer (used once, to quantise the INT4 draft).
+  ``stacked`` reads a whole layer in the store's layout (``blocked``: the disk tier's), ``standard``
+  in the standard layout (used once, to quantise the INT4 draft).
 - ``DiskLink(workers=4, device=None)`` (plugin ``disk``): ``submit`` hands the read of a
   ``DiskSource`` into the slot to a pool of ``workers`` threads (several reads in flight, real
   I/O, nothing emulated) and returns a transfer done when the bytes are in the slot; a source
@@ -90,10 +91,20 @@ class DiskStore:
         check_key(self.layers, self._n_experts, layer, expert)
         return DiskSource(self.disk, layer, expert)
 
+    @property
+    def blocked(self) -> bool:
+        return self.disk.blocked
+
     def stacked(self, layer: int) -> dict[str, torch.Tensor]:
+        return self._read_layer(layer, self.blocked)
+
+    def standard(self, layer: int) -> dict[str, torch.Tensor]:
+        return self._read_layer(layer, False)
+
+    def _read_layer(self, layer: int, blocked: bool) -> dict[str, torch.Tensor]:
         out = {name: torch.empty((self._n_experts, *shape), dtype=self.dtype) for name, shape in self.param_shapes.items()}
         for expert in range(self._n_experts):
-            self.disk.read_into({name: tensor[expert] for name, tensor in out.items()}, layer, expert)
+            self.disk.read_into({name: tensor[expert] for name, tensor in out.items()}, layer, expert, blocked)
         return out
 
 

@@ -6,7 +6,10 @@ parameter names, per-expert shapes and dtype, else ``SpecterError``. ``expert(la
 views (no copies) of one expert's parameters. With ``pin=True`` and CUDA present, the stacked
 tensors are moved to page-locked memory one at a time, so that host-to-device copies can be
 asynchronous while the peak extra RAM stays at one tensor. ``move_storage(place)`` re-homes the
-stacked tensors the same way (huge pages on a CPU device).
+stacked tensors the same way (huge pages on a CPU device). ``blocked``: the tensors hold each
+weight in the blocked layout (``specter.model.expert_layout``; links copy bytes, so the cache
+slots hold it too); ``standard(layer)`` gives a layer in the standard layout either way (the INT4
+draft quantizes from it).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from typing import Callable, Mapping
 import torch
 
 from specter.errors import SpecterError
+from specter.memory.blocked_layout import unblock
 
 
 class ExpertStore:
-    def __init__(self, layers: Mapping[int, Mapping[str, torch.Tensor]], pin: bool = False) -> None:
+    def __init__(self, layers: Mapping[int, Mapping[str, torch.Tensor]], pin: bool = False,
+                 blocked: bool = False) -> None:
         if not layers:
             raise SpecterError("ExpertStore needs at least one MoE layer")
         self._layers: dict[int, dict[str, torch.Tensor]] = {}
@@ -43,6 +48,7 @@ class ExpertStore:
         self._n_experts, self._param_shapes, self._dtype = reference
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # expert() views, made once each
         self.pinned = False
+        self.blocked = blocked  # the tensors hold each weight blocked (specter.model.expert_layout)
         if pin and torch.cuda.is_available():
             self.move_storage(torch.Tensor.pin_memory)
             self.pinned = True
@@ -82,6 +88,12 @@ class ExpertStore:
     def stacked(self, layer: int) -> dict[str, torch.Tensor]:
         """The stacked host tensors of one layer, ``{name: [n_experts, ...]}`` (not copies)."""
         return dict(self._layers[layer])
+
+    def standard(self, layer: int) -> dict[str, torch.Tensor]:
+        """``stacked(layer)`` in the standard layout: unblocked copies where the store is ``blocked``."""
+        if not self.blocked:
+            return self.stacked(layer)
+        return {name: unblock(tensor) for name, tensor in self._layers[layer].items()}
 
     def move_storage(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Every stacked tensor replaced, one at a time, by ``place(tensor)`` (the same values in

@@ -35,6 +35,14 @@ class MoELayer:
     param_names: tuple[str, ...]  # stacked expert tensors: [num_experts, ...] each
 
 
+def is_plain_gated(module: nn.Module) -> bool:
+    """Whether a transformers experts module is gated with [out, in] weights, no biases and no
+    post-expert norm (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, PhiMoE): the layout Specter's grouped
+    float32 kernels cover (``specter.kernels.grouped_experts.supports``)."""
+    return (bool(getattr(module, "has_gate", False)) and not getattr(module, "has_bias", False)
+            and not getattr(module, "is_transposed", False) and not getattr(module, "has_post_expert_norm", False))
+
+
 def is_experts_module(module: nn.Module) -> bool:
     return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "num_experts")
 

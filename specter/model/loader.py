@@ -17,7 +17,9 @@ Contract:
   ``keep_experts_on_host`` load reuses it and loads the model without its experts
   (``load_without_experts``), so a bench's dozen offloaded engines hold the experts once, not a
   dozen times (the store is read-only: links copy from it, the INT4 draft quantizes from it).
-- ``split_experts(model, pin)`` does the expert split on an already loaded model (``specter.offload``).
+- ``split_experts(model, pin, device=None)`` does the expert split on an already loaded model
+  (``specter.offload``). The store (and the disk tier's reads) hold the experts blocked where
+  ``specter.model.expert_layout.chooses_blocked`` for the engine's device.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from torch import nn
 
 from specter.config.recipe import DTYPES as DTYPE_NAMES
 from specter.errors import SpecterError
+from specter.memory.blocked_layout import block
+from specter.model import expert_layout
 from specter.quiet import loading_quietly
 from specter.model.layout import MoELayer, moe_layers
 from specter.memory.store import ExpertStore
@@ -79,10 +83,10 @@ _shared_stores: "weakref.WeakValueDictionary[tuple, ExpertStore]" = weakref.Weak
 
 def _store_key(path: Path, dtype: torch.dtype, pin: bool) -> tuple:
     """What makes two loads' expert stores equal: the checkpoint's safetensors files as they are
-    now, the dtype and the pinning."""
+    now, the dtype, the pinning and the expert layout's switch (``expert_layout.enabled``)."""
     stats = [(f.name, f.stat()) for f in sorted(path.glob("*.safetensors"))]
     files = tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
-    return str(path.resolve()), files, str(dtype), pin
+    return str(path.resolve()), files, str(dtype), pin, expert_layout.enabled()
 
 
 def _leave_placeholders(info: MoELayer) -> None:
@@ -94,20 +98,29 @@ def _leave_placeholders(info: MoELayer) -> None:
         setattr(info.experts, name, nn.Parameter(placeholder, requires_grad=False))
 
 
-def split_experts(model: nn.Module, pin: bool) -> tuple[list[MoELayer], ExpertStore]:
-    """Move every routed-expert tensor of ``model`` into a host ExpertStore; leave empty placeholders."""
+def split_experts(model: nn.Module, pin: bool, device: torch.device | None = None) -> tuple[list[MoELayer], ExpertStore]:
+    """Move every routed-expert tensor of ``model`` into a host ExpertStore; leave empty placeholders.
+    The store is blocked where ``expert_layout.chooses_blocked`` for experts computed on ``device``
+    (the model's own when None), each tensor rewritten in place once the model lets go of it."""
     layers = moe_layers(model)
+    first = getattr(layers[0].experts, layers[0].param_names[0]) if layers else None
+    blocked = first is not None and expert_layout.chooses_blocked(layers[0].experts, first.dtype, device or first.device)
     host: dict[int, dict[str, torch.Tensor]] = {}
     for info in layers:
         host[info.layer] = {name: getattr(info.experts, name).detach().to("cpu") for name in info.param_names}
         _leave_placeholders(info)
-    return layers, ExpertStore(host, pin=pin)
+        if blocked:
+            for tensor in host[info.layer].values():
+                tensor.copy_(block(tensor))
+    return layers, ExpertStore(host, pin=pin, blocked=blocked)
 
 
-def experts_to_disk(model: nn.Module, path: Path, direct_io: bool, trust_remote_code: bool = False):
+def experts_to_disk(model: nn.Module, path: Path, direct_io: bool, trust_remote_code: bool = False,
+                    device: torch.device | None = None):
     """Serve ``model``'s routed experts (left on ``meta`` by ``load_without_experts``) from its
     checkpoint on disk (``specter.memory.disk``): the mapping is checked against expert 0 of the
-    first MoE layer as transformers loads it, then empty placeholders take the experts' place."""
+    first MoE layer as transformers loads it, then empty placeholders take the experts' place.
+    Reads are blocked where ``expert_layout.chooses_blocked`` for ``device`` (default: the CPU)."""
     from specter.memory.disk import CheckpointIndex, DiskExperts
     from specter.memory.disk_store import DiskStore
     from specter.model.disk_load import reference_layer
@@ -119,6 +132,7 @@ def experts_to_disk(model: nn.Module, path: Path, direct_io: bool, trust_remote_
     reference = reference_layer(path, first.layer, trust_remote_code)
     disk.check(first.layer, {name: getattr(reference, name).detach() for name in first.param_names})
     del reference
+    disk.blocked = expert_layout.chooses_blocked(first.experts, dtype, device or torch.device("cpu"))
     for info in layers:
         _leave_placeholders(info)
     disk.reset_counters()
@@ -146,7 +160,7 @@ def load_model(
         from specter.model.disk_load import load_without_experts
 
         model = load_without_experts(path, dtype, trust_remote_code)
-        layers, store = experts_to_disk(model, path, direct_io, trust_remote_code)
+        layers, store = experts_to_disk(model, path, direct_io, trust_remote_code, device)
         model.to(device)
         return model, layers, store
     pin = pin_memory and device.type == "cuda"
@@ -168,7 +182,7 @@ def load_model(
     model.eval()
     layers = store = None
     if keep_experts_on_host:
-        layers, store = split_experts(model, pin=pin)
+        layers, store = split_experts(model, pin=pin, device=device)
         if key is not None:
             _shared_stores[key] = store
     model.to(device)

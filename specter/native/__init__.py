@@ -18,7 +18,7 @@ Contract:
   ``draft_attend_route`` (``native_rows``: the lean draft step's attention half of a layer,
   called eagerly only, with no fake implementation);
   ``blocked_rows`` (``specter.kernels.blocked_rows``: float32 rows against K-major blocked
-  weights; not yet used by the engines);
+  weights, the experts' layout where ``specter.model.expert_layout`` chooses it);
   ``stream_copy`` and ``paced_copy`` (``specter.memory.stream_copy``, the links' large host
   copies) mutate their destinations and are not called from compiled graphs.
 - A build lock (torch's ``lock`` file in the build directory) older than ``STALE_LOCK_S`` is

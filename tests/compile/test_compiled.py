@@ -16,10 +16,13 @@ from torch._dynamo.utils import counters
 import specter
 from specter import native
 from specter.decode.governor import Governor
+from specter.compile import host_layer
 from specter.compile.attach import compile_engine
 from specter.compile.decoder import CompiledDecoder, StaticKV, unsupported_reason
 from specter.errors import SpecterError
+from specter.model import expert_layout
 from specter.kernels.slot_experts import gather_experts, slots_for
+from specter.testing.marks import needs_native
 from specter.testing.zoo import random_model, save_random_checkpoint
 
 torch.set_num_threads(1)
@@ -81,6 +84,30 @@ def test_compiled_offloaded_engines_match_eager(checkpoint, eager_resident, engi
         assert report["compile"]["fused_steps"] > 0 and report["compile"]["layered"] is False
     eager.close()
     engine.close()
+
+
+@pytest.mark.slow
+@needs_native
+@pytest.mark.parametrize("computes", ["graph", "host"])
+def test_compiled_engines_read_blocked_experts_losslessly(checkpoint, eager_resident, computes, monkeypatch):
+    """With the blocked layout's size floor lowered, compiled ``resident`` (its own modules in the
+    graph) and compiled ``specter`` (the slots through the table in the graph, or computed by the
+    host at each layer) give the standard layout's tokens, after graphs of the same shapes were
+    compiled for the standard layout (the layout is part of what the graphs trace)."""
+    standard = specter.load(recipe(checkpoint, "resident", compile=True))
+    assert [o["token_ids"] for o in standard.generate(PROMPTS).report["outputs"]] == eager_resident
+    standard.close()
+    monkeypatch.setattr(expert_layout, "BLOCKED_MIN_BYTES", 0)
+    if computes == "host":
+        monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0)
+    synchronous = {"kind": "local", "options": {"copy_thread": False}}
+    for engine_name in ("resident", "specter"):
+        engine = specter.load(recipe(checkpoint, engine_name, compile=True, k=3, link=synchronous))
+        report = engine.generate(PROMPTS).report
+        assert report["expert_layout"] == "blocked"
+        assert [o["token_ids"] for o in report["outputs"]] == eager_resident, engine_name
+        assert report["compile"]["fused_steps"] > 0 and report["compile"]["late_graphs"] == 0
+        engine.close()
 
 
 class CyclingGovernor(Governor):

@@ -11,6 +11,7 @@ import torch
 
 import specter
 from specter.errors import SpecterError
+from specter.memory.blocked_layout import block
 from specter.model.layout import moe_layers
 from specter.memory.disk import CheckpointIndex, DiskExperts
 from specter.testing.zoo import ARCHITECTURES, random_model, save_random_checkpoint
@@ -51,6 +52,10 @@ def test_every_expert_read_from_disk_equals_the_loaded_one(fixture, request):
         for expert in range(info.num_experts):
             for name, tensor in disk.read(info.layer, expert).items():
                 assert torch.equal(tensor, getattr(info.experts, name)[expert])
+    blocked = {name: torch.empty(shape) for name, shape in disk.param_shapes.items()}
+    disk.read_into(blocked, layers[-1].layer, 5, blocked=True)  # the blocked layout, piece by piece
+    for name, tensor in blocked.items():
+        assert torch.equal(tensor, block(getattr(layers[-1].experts, name)[5].detach()))
     assert disk.mode in ("O_DIRECT", "buffered + POSIX_FADV_DONTNEED")
     assert disk.bytes_read > 0 and disk.busy_s > 0
     disk.close()

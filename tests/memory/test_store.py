@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specter.errors import SpecterError
+from specter.memory.blocked_layout import block
 from specter.memory.store import ExpertStore
 
 torch.set_num_threads(1)
@@ -88,3 +89,14 @@ def test_pin_pins_every_tensor() -> None:
     assert store.pinned
     for layer in store.layers:
         assert all(t.is_pinned() for t in store.stacked(layer).values())
+
+
+def test_standard_gives_a_blocked_store_s_layers_unblocked_and_a_standard_store_s_as_they_are() -> None:
+    layer = make_layer(hidden=16, inter=8)  # gate_up [16, 16], down [16, 8]: whole blocks of 16 rows
+    blocked = {name: block(tensor) for name, tensor in layer.items()}
+    store = ExpertStore({0: blocked}, blocked=True)
+    assert store.blocked
+    assert all(torch.equal(store.standard(0)[name], layer[name]) for name in layer)
+    assert store.stacked(0)["down_proj"] is blocked["down_proj"]  # the store's own tensors, blocked
+    plain = ExpertStore({0: layer})
+    assert not plain.blocked and plain.standard(0)["down_proj"] is layer["down_proj"]

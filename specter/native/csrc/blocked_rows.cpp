@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cstdint>
 #include <immintrin.h>
+#include "blocked_rows.h"
 #include "row_groups.h"
 #include "rows_math512.h"
 
@@ -95,8 +96,10 @@ void block8x2_any(int rows, const float* wb, const float* x, int64_t k, float* o
   }
 }
 
+}  // namespace
+
 // Rows start .. end of x [P, k] times one blocked weight [n / 16, k, 16] into out [P, n].
-void rows_times_blocked(const float* xp, int64_t start, int64_t end, const float* wb, int64_t n, int64_t k,
+void specter_blocked::rows_times_blocked(const float* xp, int64_t start, int64_t end, const float* wb, int64_t n, int64_t k,
                         float* op) {
   const bool wide = wide_enabled.load(std::memory_order_relaxed) && specter_rows::avx512_supported();
   const int64_t pass = wide ? specter_rows::kWideRows : kNarrowRows;  // eight: 8 accumulators
@@ -113,11 +116,9 @@ void rows_times_blocked(const float* xp, int64_t start, int64_t end, const float
     }
 }
 
-}  // namespace
-
 at::Tensor blocked_rows(const at::Tensor& x, const at::Tensor& wb, const at::Tensor& ends) {
   TORCH_CHECK(wb.dim() != 3 || wb.size(1) % kBlock == 0, "blocked_rows: N must be a multiple of ", kBlock);
-  return specter_rows::for_each_row_group("blocked_rows", x, wb, ends, rows_times_blocked);
+  return specter_rows::for_each_row_group("blocked_rows", x, wb, ends, specter_blocked::rows_times_blocked);
 }
 
 int64_t blocked_ahead(int64_t floats) {

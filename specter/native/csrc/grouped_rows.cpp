@@ -11,8 +11,9 @@
 //   normed_rows(h float32 [1, K], norm_weight [K], eps, weights [N_i, K]...) -> (normed [1, K],
 //   [1, sum N_i]): an RMS norm, then every weight on the normed row, outputs side by side.
 //   glu_expert_pairs(out [P, H], x [T, H], gate_up [S, 2I, H], down [S, H, I], weights [P], top_k,
-//   groups, starts, pairs): for each listed expert g, the silu-gated MLP of its pairs' tokens
-//   (pair p = t * top_k + j), scaled per pair, written into rows p of out.
+//   groups, starts, pairs, blocked): for each listed expert g, the silu-gated MLP of its pairs'
+//   tokens (pair p = t * top_k + j), scaled per pair, written into rows p of out (blocked: both
+//   weights stored blocked, read with blocked_rows.cpp's kernel).
 //   wide_rows(mode) -> 0 | 1: whether groups of two rows or more take the AVX-512 forms (below).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include "blocked_rows.h"
 #include "rows_math.h"
 #include "rows_math512.h"
 #include "row_groups.h"
@@ -159,17 +161,20 @@ void rows_times_weight(const float* xp, int64_t start, int64_t end, const float*
   });
 }
 
+using RowsTimes = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
+
 // One expert's gated MLP on rows x [R, H] into out [R, H]: out = (down @ (silu(gate) * up)) * weights
-// with [gate | up] = gate_up @ x, the bits of grouped_rows, PyTorch's silu and mul, grouped_rows and
-// mul called one by one (the same kernels).
+// with [gate | up] = gate_up @ x, the bits of grouped_rows (blocked_rows where the weights are
+// stored blocked: rows_times), PyTorch's silu and mul, the rows kernel and mul called one by one
+// (the same kernels).
 void glu_rows(at::Tensor out, const at::Tensor& x, const float* gate_up, const float* down,
-              const at::Tensor& weights, int64_t inter) {
+              const at::Tensor& weights, int64_t inter, RowsTimes rows_times) {
   const int64_t r = x.size(0), h = x.size(1);
   auto hidden = at::empty({r, 2 * inter}, x.options());
-  rows_times_weight(x.data_ptr<float>(), 0, r, gate_up, 2 * inter, h, hidden.data_ptr<float>());
+  rows_times(x.data_ptr<float>(), 0, r, gate_up, 2 * inter, h, hidden.data_ptr<float>());
   auto gated = at::mul(at::silu(hidden.narrow(1, 0, inter)), hidden.narrow(1, inter, inter)).contiguous();
   auto rows = at::empty({r, h}, x.options());
-  rows_times_weight(gated.data_ptr<float>(), 0, r, down, h, inter, rows.data_ptr<float>());
+  rows_times(gated.data_ptr<float>(), 0, r, down, h, inter, rows.data_ptr<float>());
   at::mul_out(out, rows, weights);
 }
 
@@ -184,10 +189,11 @@ at::Tensor grouped_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // for the i-th expert g of `groups`, its pairs pairs[starts[i] .. starts[i + 1]] (their tokens'
 // rows gathered in that order) through expert g's gated MLP (gate_up [S, 2I, H], down [S, H, I]),
 // each scaled by its weight, into rows p of out [P, H]; other rows untouched. A verification wave
-// (the experts whose copies have landed) in one call, the bits of glu_rows on the same rows.
+// (the experts whose copies have landed) in one call, the bits of glu_rows on the same rows. blocked:
+// both weights are stored blocked ([N / 16, K, 16] each, blocked_rows.cpp), read with its kernel.
 void glu_expert_pairs(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                       const at::Tensor& weights, int64_t top_k, at::IntArrayRef groups, at::IntArrayRef starts,
-                      at::IntArrayRef pairs) {
+                      at::IntArrayRef pairs, bool blocked) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "glu_expert_pairs: x must be a contiguous float32 [T, H] tensor");
   TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3,
@@ -215,6 +221,7 @@ void glu_expert_pairs(at::Tensor out, const at::Tensor& x, const at::Tensor& gat
   float* op = out.data_ptr<float>();
   const float* gate_up_p = gate_up.data_ptr<float>();
   const float* down_p = down.data_ptr<float>();
+  const RowsTimes rows_times = blocked ? specter_blocked::rows_times_blocked : rows_times_weight;
   for (size_t i = 0; i < groups.size(); ++i) {
     const int64_t g = groups[i], begin = starts[i], end = starts[i + 1], r = end - begin;
     TORCH_CHECK(0 <= g && g < s, "glu_expert_pairs: group ", g, " out of range 0..", s - 1);
@@ -232,7 +239,7 @@ void glu_expert_pairs(at::Tensor out, const at::Tensor& x, const at::Tensor& gat
       sp[q] = wp[pair];
     }
     auto result = at::empty({r, h}, x.options());
-    glu_rows(result, rows, gate_up_p + g * two_i * h, down_p + g * h * inter, scale, inter);
+    glu_rows(result, rows, gate_up_p + g * two_i * h, down_p + g * h * inter, scale, inter, rows_times);
     const float* res = result.data_ptr<float>();
     for (int64_t q = 0; q < r; ++q) std::memcpy(op + pairs[begin + q] * h, res + q * h, h * sizeof(float));
   }
@@ -304,7 +311,7 @@ TORCH_LIBRARY_FRAGMENT(specter_native, m) {
   m.def("grouped_rows(Tensor x, Tensor w, Tensor ends) -> Tensor");
   m.def("normed_rows(Tensor h, Tensor norm_weight, float eps, Tensor[] weights) -> (Tensor, Tensor)");
   m.def("glu_expert_pairs(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor down, Tensor weights, int top_k, "
-        "int[] groups, int[] starts, int[] pairs) -> ()");
+        "int[] groups, int[] starts, int[] pairs, bool blocked=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specter_native, CPU, m) {
