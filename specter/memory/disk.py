@@ -12,8 +12,9 @@ Contract:
   the output dimension, its ``down_proj`` is w2/down). ``read(layer, expert)`` returns the
   module's tensors for that expert, on the host, in the model's dtype; ``read_into(dst, layer,
   expert)`` writes them into ``dst`` (a cache slot's views), blocked where ``blocked`` is set
-  (``specter.model.expert_layout``: the loader sets it when the engine's experts are kept so). ``check(layer, reference)`` compares
-  expert 0 with the loaded model's own tensors, so a mapping that would be wrong is refused.
+  (``specter.model.expert_layout``: the loader sets it when the engine's experts are kept so).
+  ``check(layer, reference)`` compares expert 0 with the loaded model's own tensors, so a mapping
+  that would be wrong is refused.
 - Reads: one ``os.preadv`` per contiguous run of bytes (an expert's tensors are usually adjacent),
   through ``O_DIRECT`` when ``direct`` (page cache bypassed: honest disk figures; the read is
   widened to 4 KiB alignment into a page-aligned buffer) or, where the filesystem refuses
