@@ -81,12 +81,14 @@ def check_safetensors(file: Path) -> None:
 _shared_stores: "weakref.WeakValueDictionary[tuple, ExpertStore]" = weakref.WeakValueDictionary()
 
 
-def _store_key(path: Path, dtype: torch.dtype, pin: bool) -> tuple:
+def _store_key(path: Path, dtype: torch.dtype, pin: bool, device: torch.device) -> tuple:
     """What makes two loads' expert stores equal: the checkpoint's safetensors files as they are
-    now, the dtype, the pinning and the expert layout's switch (``expert_layout.enabled``)."""
+    now, the dtype, the pinning, and what decides the experts' layout besides the model (the
+    device's kind, the switch ``expert_layout.enabled`` and its size floor)."""
     stats = [(f.name, f.stat()) for f in sorted(path.glob("*.safetensors"))]
     files = tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
-    return str(path.resolve()), files, str(dtype), pin, expert_layout.enabled()
+    layout = device.type, expert_layout.enabled(), expert_layout.BLOCKED_MIN_BYTES
+    return str(path.resolve()), files, str(dtype), pin, layout
 
 
 def _leave_placeholders(info: MoELayer) -> None:
@@ -164,7 +166,7 @@ def load_model(
         model.to(device)
         return model, layers, store
     pin = pin_memory and device.type == "cuda"
-    key = _store_key(path, dtype, pin) if keep_experts_on_host and use_safetensors else None
+    key = _store_key(path, dtype, pin, device) if keep_experts_on_host and use_safetensors else None
     shared = _shared_stores.get(key) if key is not None else None
     if shared is not None:
         from specter.model.disk_load import load_without_experts

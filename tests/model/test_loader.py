@@ -8,6 +8,7 @@ import weakref
 
 from specter.build import build_engine
 from specter.config import load_recipe
+from specter.model import expert_layout
 
 PROMPT = [[1, 17, 93, 4, 250, 31, 8]]
 
@@ -37,3 +38,20 @@ def test_a_store_no_engine_holds_is_freed_and_the_next_load_builds_its_own(tiny_
     assert gone() is None
     second = engine(tiny_mixtral, "ondemand")
     assert second.store.expert(0, 0)["down_proj"].abs().sum() > 0  # loaded again, not left empty
+
+
+def test_the_layout_switch_gives_each_layout_its_own_store(tiny_mixtral, monkeypatch):
+    """Engines built on each side of ``expert_layout.enabled`` never share a store: one is blocked
+    (the size floor lowered for the tiny model), the other standard, and both decode alike."""
+    monkeypatch.setattr(expert_layout, "BLOCKED_MIN_BYTES", 0)
+    was = expert_layout.enabled()
+    try:
+        expert_layout.enabled(False)
+        standard = engine(tiny_mixtral, "ondemand")
+        expert_layout.enabled(True)
+        blocked = engine(tiny_mixtral, "ondemand")
+    finally:
+        expert_layout.enabled(was)
+    assert blocked.store is not standard.store
+    assert blocked.store.blocked and not standard.store.blocked
+    assert blocked.generate(PROMPT).token_ids == standard.generate(PROMPT).token_ids
