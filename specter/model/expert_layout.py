@@ -16,7 +16,8 @@ Contract:
   engines' shared host store and their cache slots, the disk tier's reads) decides alike, so every
   engine's experts sum in the same order and greedy tokens stay comparable bit for bit.
 - ``enabled(value=None) -> bool``: the process-wide switch (on unless the environment sets
-  ``SPECTER_EXPERT_LAYOUT=standard``); ``value`` sets it first (A/B timings, tests). Models and
+  ``SPECTER_EXPERT_LAYOUT=standard``, read at import by ``switch_from_environment``; another value
+  than ``standard`` / ``auto`` warns); ``value`` sets it first (A/B timings, tests). Models and
   stores built before keep their layout.
 - ``block_module(module)``: the module's ``gate_up_proj`` / ``down_proj`` rewritten blocked in place
   (their storage kept: huge pages stay huge pages) and the module marked (``is_blocked``);
@@ -32,6 +33,7 @@ the row kernels.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -42,7 +44,19 @@ from specter.model.layout import is_plain_gated
 
 BLOCKED_MIN_BYTES = 4 << 20  # as host_layer.COMPUTES_MIN_BYTES: experts the host computes
 _MARK = "_specter_blocked"
-_enabled = [os.environ.get("SPECTER_EXPERT_LAYOUT", "") != "standard"]
+ENVIRONMENT = "SPECTER_EXPERT_LAYOUT"  # "standard": off; "auto" or unset: on
+
+
+def switch_from_environment() -> bool:
+    """The switch's start value: off where ``SPECTER_EXPERT_LAYOUT=standard``; a value other than
+    ``standard`` / ``auto`` warns and leaves it on."""
+    value = os.environ.get(ENVIRONMENT, "auto").strip().lower()
+    if value not in ("auto", "standard", ""):
+        warnings.warn(f"{ENVIRONMENT}={value!r} is not 'standard' or 'auto'; the blocked layout stays on", stacklevel=2)
+    return value != "standard"
+
+
+_enabled = [switch_from_environment()]
 
 
 def enabled(value: bool | None = None) -> bool:

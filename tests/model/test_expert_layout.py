@@ -59,6 +59,18 @@ def test_the_switch_turns_the_blocked_layout_off_process_wide(no_size_floor) -> 
         expert_layout.enabled(was)
 
 
+def test_the_environment_sets_the_switch_and_a_wrong_value_warns(monkeypatch) -> None:
+    monkeypatch.setenv("SPECTER_EXPERT_LAYOUT", "standard")
+    assert expert_layout.switch_from_environment() is False
+    monkeypatch.setenv("SPECTER_EXPERT_LAYOUT", "auto")
+    assert expert_layout.switch_from_environment() is True
+    monkeypatch.delenv("SPECTER_EXPERT_LAYOUT")
+    assert expert_layout.switch_from_environment() is True
+    monkeypatch.setenv("SPECTER_EXPERT_LAYOUT", "standrad")
+    with pytest.warns(UserWarning, match="standrad"):
+        assert expert_layout.switch_from_environment() is True
+
+
 def test_block_module_rewrites_both_weights_in_their_own_storage_and_marks_the_module() -> None:
     module = experts_module()
     gate_up, down = module.gate_up_proj.detach().clone(), module.down_proj.detach().clone()
