@@ -70,7 +70,8 @@ def test_ondemand_matches_resident_and_transformers(arch, checkpoints):
 def test_blocked_experts_keep_every_engine_lossless(tmp_path, monkeypatch):
     """With the size floor lowered, a tiny Mixtral's experts are kept blocked by every engine
     (``resident``'s own modules, the shared host store and so the cache slots, the disk tier's
-    reads): each engine's greedy tokens equal ``resident``'s, which equal the standard layout's."""
+    reads, straight into slots or into the host tier): each engine's greedy tokens equal
+    ``resident``'s, which equal the standard layout's."""
     path = str(save_random_checkpoint("mixtral", tmp_path / "mixtral", seed=1, hidden=64, intermediate=64, layers=2))
     standard = specter.load(recipe(path, "resident")).generate(PROMPTS)
     assert standard.report["expert_layout"] == "standard"  # the floor: tiny experts stay standard
@@ -80,7 +81,10 @@ def test_blocked_experts_keep_every_engine_lossless(tmp_path, monkeypatch):
     assert resident.token_ids == standard.token_ids
     speculative = {"speculation": {"governor": {"name": "fixed", "k": 4}}}
     disk = {"offload": {"experts_on": "disk", "link": {"kind": "disk"}, "expert_budget": 0.25}}
-    for engine, extra in [("ondemand", {}), ("specter", speculative), ("specter", disk | speculative)]:
+    tiers = {"offload": {"experts_on": "disk", "host_budget": 0.5, "link": {"kind": "emulated", "gbps": 5},
+                         "expert_budget": 0.25}}
+    for engine, extra in [("ondemand", {}), ("specter", speculative), ("specter", disk | speculative),
+                          ("specter", tiers | speculative)]:
         data = recipe(path, engine, 0.25)
         data["offload"] |= extra.get("offload", {})
         data["speculation"] = extra.get("speculation", {})
