@@ -17,9 +17,9 @@ from torch import Tensor, nn
 
 from specter.compile.host_layer import layer_experts, layer_routed, layer_slots
 from specter.kernels import native_rows
-from specter.model.expert_layout import is_blocked
 from specter.kernels.grouped_experts import native_grouped_experts
 from specter.kernels.slot_experts import gather_experts, slots_for
+from specter.model.expert_layout import is_blocked
 
 
 def _pairs_kernel(x_like: Tensor, gate_up: Tensor, down: Tensor, blocked: bool):

@@ -53,9 +53,9 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
-from specter.model.expert_layout import block_module, chooses_blocked, is_blocked, mark
 from specter.kernels.grouped_experts import (PairsByExpert, PairsBySlot, grouped_experts, is_silu_glu, supports,
                                              takes_native)
+from specter.model.expert_layout import block_module, chooses_blocked, is_blocked, mark
 from specter.model.layout import MoELayer
 
 IMPLEMENTATION_NAME = "specter"

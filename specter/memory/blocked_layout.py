@@ -6,6 +6,8 @@ Contract:
   ``unblock(wb)`` inverts it (``unblock(block(w))`` equals ``w``). The shape is kept, so a blocked
   tensor can stand where the weight stood, but only ``specter.kernels.blocked_rows``' kernel reads
   it right.
+- ``block_in_place(w)``: ``w``'s values rewritten blocked in its own storage (pinned or huge pages
+  stay so), through one temporary copy.
 - ``block_rows_into(dst, src)``: ``src`` [n, K] (a weight's rows ``r0 .. r0 + n`` with ``r0`` and
   ``n`` multiples of 16) written blocked into ``dst``, the flat span those rows take in the blocked
   weight (``n * K`` elements): one strided copy, no temporary (the disk tier's reads, piece by piece).
@@ -24,6 +26,10 @@ def block(w: Tensor) -> Tensor:
     if n % BLOCK:
         raise ValueError(f"block: N = {n} is not a multiple of {BLOCK}")
     return w.reshape(*lead, n // BLOCK, BLOCK, k).transpose(-1, -2).contiguous().view(w.shape)
+
+
+def block_in_place(w: Tensor) -> None:
+    w.copy_(block(w))
 
 
 def unblock(wb: Tensor) -> Tensor:

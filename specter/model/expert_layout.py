@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from specter import native
-from specter.memory.blocked_layout import BLOCK, block
+from specter.memory.blocked_layout import BLOCK, block_in_place
 from specter.model.layout import is_plain_gated
 
 BLOCKED_MIN_BYTES = 4 << 20  # as host_layer.COMPUTES_MIN_BYTES: experts the host computes
@@ -81,8 +81,7 @@ def chooses_blocked(module: nn.Module, dtype: torch.dtype, device: torch.device)
 
 def block_module(module: nn.Module) -> None:
     for name in ("gate_up_proj", "down_proj"):
-        weight = getattr(module, name).data
-        weight.copy_(block(weight))
+        block_in_place(getattr(module, name).data)
     mark(module, True)
 
 

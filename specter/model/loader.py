@@ -32,7 +32,7 @@ from torch import nn
 
 from specter.config.recipe import DTYPES as DTYPE_NAMES
 from specter.errors import SpecterError
-from specter.memory.blocked_layout import block
+from specter.memory.blocked_layout import block_in_place
 from specter.model import expert_layout
 from specter.quiet import loading_quietly
 from specter.model.layout import MoELayer, moe_layers
@@ -100,20 +100,22 @@ def _leave_placeholders(info: MoELayer) -> None:
         setattr(info.experts, name, nn.Parameter(placeholder, requires_grad=False))
 
 
-def split_experts(model: nn.Module, pin: bool, device: torch.device | None = None) -> tuple[list[MoELayer], ExpertStore]:
+def split_experts(model: nn.Module, pin: bool,
+                  device: torch.device | None = None) -> tuple[list[MoELayer], ExpertStore]:
     """Move every routed-expert tensor of ``model`` into a host ExpertStore; leave empty placeholders.
     The store is blocked where ``expert_layout.chooses_blocked`` for experts computed on ``device``
     (the model's own when None), each tensor rewritten in place once the model lets go of it."""
     layers = moe_layers(model)
     first = getattr(layers[0].experts, layers[0].param_names[0]) if layers else None
-    blocked = first is not None and expert_layout.chooses_blocked(layers[0].experts, first.dtype, device or first.device)
+    blocked = first is not None and expert_layout.chooses_blocked(layers[0].experts, first.dtype,
+                                                                  device or first.device)
     host: dict[int, dict[str, torch.Tensor]] = {}
     for info in layers:
         host[info.layer] = {name: getattr(info.experts, name).detach().to("cpu") for name in info.param_names}
         _leave_placeholders(info)
         if blocked:
             for tensor in host[info.layer].values():
-                tensor.copy_(block(tensor))
+                block_in_place(tensor)
     return layers, ExpertStore(host, pin=pin, blocked=blocked)
 
 

@@ -1,11 +1,17 @@
 """The path chooser: per-step choice by measured step time, and per-round choice judged by a cost
-the caller measures over the round (the speculative engine's draft steps)."""
+the caller measures over the round (the speculative engine's draft steps); the experts kernel a
+graph traces for a blocked source."""
 
 from __future__ import annotations
 
 import time
 
-from specter.compile.parts import PathChooser
+import pytest
+import torch
+
+from specter import native
+from specter.compile.parts import PathChooser, _pairs_kernel
+from specter.kernels.slot_experts import gather_experts
 
 
 def test_steps_take_the_path_with_the_lower_measured_time_after_trying_both():
@@ -135,3 +141,12 @@ def test_a_recheck_that_finds_the_other_path_faster_switches_and_rechecks_as_oft
     # the median of the fused path's last WINDOW steps moves once enough fast ones come in; from
     # then on fused holds, with rechecks of the layered path again after RECHECK steps
     assert chosen[-5:] == ["fused"] * 5
+
+
+def test_a_blocked_source_the_native_kernel_cannot_serve_is_refused_not_gathered_per_pair():
+    gate_up, down = torch.zeros(4, 32, 16), torch.zeros(4, 16, 16)
+    probe = gate_up.new_zeros(1, 16)
+    with native.disabled():
+        assert _pairs_kernel(probe, gate_up, down, blocked=False) is gather_experts
+        with pytest.raises(RuntimeError, match="blocked experts need Specter's native kernels"):
+            _pairs_kernel(probe, gate_up, down, blocked=True)

@@ -40,8 +40,7 @@ std::atomic<bool> wide_enabled{true};
 
 // One block (16 outputs) of one weight for R rows of x (row stride k), into out (row stride ldo).
 template <int R>
-SPECTER_AVX512 void block16(const float* wb, const float* x, int64_t k, float* out, int64_t ldo,
-                                   int64_t ahead) {
+SPECTER_AVX512 void block16(const float* wb, const float* x, int64_t k, float* out, int64_t ldo, int64_t ahead) {
   __m512 a[R];
   for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
@@ -71,8 +70,8 @@ void block8x2(const float* wb, const float* x, int64_t k, float* out, int64_t ld
   }
 }
 
-SPECTER_AVX512 void block16_any(int rows, const float* wb, const float* x, int64_t k, float* out,
-                                        int64_t ldo, int64_t ahead) {
+SPECTER_AVX512 void block16_any(int rows, const float* wb, const float* x, int64_t k, float* out, int64_t ldo,
+                                int64_t ahead) {
   switch (rows) {
     case 1: block16<1>(wb, x, k, out, ldo, ahead); break;
     case 2: block16<2>(wb, x, k, out, ldo, ahead); break;
@@ -99,8 +98,8 @@ void block8x2_any(int rows, const float* wb, const float* x, int64_t k, float* o
 }  // namespace
 
 // Rows start .. end of x [P, k] times one blocked weight [n / 16, k, 16] into out [P, n].
-void specter_blocked::rows_times_blocked(const float* xp, int64_t start, int64_t end, const float* wb, int64_t n, int64_t k,
-                        float* op) {
+void specter_blocked::rows_times_blocked(const float* xp, int64_t start, int64_t end, const float* wb, int64_t n,
+                                         int64_t k, float* op) {
   const bool wide = wide_enabled.load(std::memory_order_relaxed) && specter_rows::avx512_supported();
   const int64_t pass = wide ? specter_rows::kWideRows : kNarrowRows;  // eight: 8 accumulators
   const int64_t ahead = end - start >= prefetch_from_rows.load(std::memory_order_relaxed)
