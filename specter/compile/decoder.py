@@ -2,10 +2,11 @@
 
 Contract:
 - ``unsupported_reason(model) -> str | None`` (``specter.compile.decoder_math``, the model math
-  the graphs trace): why a model cannot be compiled here (None: it can). Supported: llama-style
-  attention (optional biases, per-head q/k RMSNorm, default RoPE, sliding window) then gated
-  routed experts ([out, in], no bias) behind a softmax top-k router in every decoder layer:
-  Mixtral, and Qwen3-MoE without dense layers.
+  the graphs trace): why a model cannot be compiled here and what its layers have that the
+  compiled math lacks (None: it can). Supported: llama-style attention (optional biases, q/k
+  RMSNorm per head or over the whole projection, optional q/k/v clipping, default RoPE, sliding
+  window) then gated routed experts ([out, in], no bias) behind a softmax top-k router in every
+  decoder layer: Mixtral, Qwen3-MoE and OLMoE without dense layers.
 - ``CompiledDecoder(model, experts="resident" | "cache", runtime=None, layered=False)``: the
   model's forward written against its weights (not through transformers' modules), experts from
   the layers' own stacked tensors (``resident``) or from an ``ExpertRuntime``'s device cache and,

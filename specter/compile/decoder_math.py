@@ -2,9 +2,10 @@
 so that dynamo traces them whole (no data-dependent Python) and inductor fuses them.
 
 Contract: ``unsupported_reason(model)`` says why a model's layers are not of the supported shape
-(None when they are: llama-style attention with optional biases, q/k RMSNorm, default RoPE and
+and what in them is missing here (None when they are: llama-style attention with optional biases,
+q/k RMSNorm per head or over the whole projection, optional q/k/v clipping, default RoPE and
 sliding window, then gated [out, in] routed experts without bias behind a softmax top-k router;
-Mixtral and Qwen3-MoE without dense layers). ``arch_of(model)`` and ``layer_weights_of(layer)``
+Mixtral, Qwen3-MoE and OLMoE without dense layers). ``arch_of(model)`` and ``layer_weights_of(layer)``
 read the constants and tensors the functions need; ``attention_and_route`` runs one decoder
 layer up to its experts. Shapes are given as ``# [T, H]`` comments (T tokens of this step).
 """
@@ -21,7 +22,22 @@ from specter.kernels import native_rows
 
 FUSED_MAX_TOKENS = 17  # widest fused step (16 drafts + 1; wider rounds run layered); the row kernel's widest input
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe")
+# what the compiled decoder's math lacks for each layout Specter runs eagerly
+MISSING_FOR_MODEL_TYPE = {
+    "phimoe": "its router is a sparsemixer (each of two experts from a masked softmax) and its norms are "
+              "LayerNorms with biases; the compiled math has softmax top-k routers and RMSNorms",
+    "qwen2_moe": "its layers add a shared expert scaled by a sigmoid gate beside the routed ones, which the "
+                 "compiled math does not compute",
+    "deepseek_v2": "its attention is multi-head latent attention (compressed, partly rotated keys and values) "
+                   "and its router picks within expert groups; the compiled math has llama-style attention and a "
+                   "plain softmax top-k router",
+    "deepseek_v3": "its attention is multi-head latent attention (compressed, partly rotated keys and values) "
+                   "and its router is a biased sigmoid over expert groups; the compiled math has llama-style "
+                   "attention and a plain softmax top-k router",
+    "gpt_oss": "its attention has sinks and its experts have biases, interleaved gate/up columns and a clamped "
+               "activation; the compiled math has plain attention and gated experts without bias",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +53,8 @@ class Arch:
     renormalize: bool  # top-k weights divided by their sum
     float_scores: bool  # Mixtral keeps router weights in float32; Qwen3-MoE casts to the logits' dtype
     row_kernel: bool = False  # the native row kernels serve the dense projections and norms (``linear``)
+    whole_qk_norm: bool = False  # q/k RMSNorm over the whole projection before the heads split (OLMoE)
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE's option)
 
 
 @dataclasses.dataclass
@@ -59,7 +77,8 @@ class LayerWeights:
 def unsupported_reason(model: nn.Module) -> str | None:
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type {config.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        missing = MISSING_FOR_MODEL_TYPE.get(config.model_type, "its layers were never written here")
+        return f"model type {config.model_type!r}: {missing} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         return f"rope type {rope.get('rope_type')!r} (supported: default)"
@@ -91,6 +110,8 @@ def arch_of(model: nn.Module) -> Arch:
         renormalize=bool(getattr(router, "norm_topk_prob", True)),
         float_scores=config.model_type == "mixtral",
         row_kernel=_row_kernel_serves(model),
+        whole_qk_norm=config.model_type == "olmoe",
+        clip_qkv=getattr(config, "clip_qkv", None),
     )
 
 
@@ -180,16 +201,30 @@ def select_experts(arch: Arch, logits: Tensor) -> tuple[Tensor, Tensor]:
 def queries_keys_values(
     arch: Arch, w: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """A layer's normed input ``x [T, H]`` -> q [T, nH, d], k and v [T, nKV, d], q and k
-    per-head normed (where the model has it) and rotated."""
-    num_tokens = x.shape[0]
-    q = linear(x, w.q, w.q_bias, arch.row_kernel).view(num_tokens, arch.n_heads, arch.head_dim)
-    k = linear(x, w.k, w.k_bias, arch.row_kernel).view(num_tokens, arch.n_kv_heads, arch.head_dim)
-    v = linear(x, w.v, w.v_bias, arch.row_kernel).view(num_tokens, arch.n_kv_heads, arch.head_dim)
-    if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, arch.eps)
-        k = rms_norm(k, w.k_norm, arch.eps)
+    """A layer's normed input ``x [T, H]`` -> q [T, nH, d], k and v [T, nKV, d], q and k normed
+    (where the model has it: per head, or over the whole projection) and rotated."""
+    q = linear(x, w.q, w.q_bias, arch.row_kernel)  # [T, nH * d]
+    k = linear(x, w.k, w.k_bias, arch.row_kernel)
+    v = linear(x, w.v, w.v_bias, arch.row_kernel)
+    q, k, v = split_heads(arch, w, q, k, v)
     return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def split_heads(arch: Arch, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The projections ``[T, n * d]`` -> q [T, nH, d], k and v [T, nKV, d], q and k normed as the
+    model norms them (over the whole projection before the split, or per head after it) and q, k
+    and v clipped where the model clips (after the norms, before the split: OLMoE's order)."""
+    num_tokens = q.shape[0]
+    if w.q_norm is not None and arch.whole_qk_norm:
+        q, k = rms_norm(q, w.q_norm, arch.eps), rms_norm(k, w.k_norm, arch.eps)
+    if arch.clip_qkv is not None:
+        q, k, v = (t.clamp(-arch.clip_qkv, arch.clip_qkv) for t in (q, k, v))
+    q = q.view(num_tokens, arch.n_heads, arch.head_dim)
+    k = k.view(num_tokens, arch.n_kv_heads, arch.head_dim)
+    v = v.view(num_tokens, arch.n_kv_heads, arch.head_dim)
+    if w.q_norm is not None and not arch.whole_qk_norm:
+        q, k = rms_norm(q, w.q_norm, arch.eps), rms_norm(k, w.k_norm, arch.eps)
+    return q, k, v
 
 
 def attention_and_route(

@@ -4,7 +4,7 @@ Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step wher
 (the composition root calls it, before compiling): an eager engine drafts with it; so does a
 compiled one on a CPU (native kernels serving; ``specter.compile.attach``), with no compiled draft
 graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models
-whose decoder ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE without dense layers)
+whose decoder ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE, OLMoE without dense layers)
 with no sliding window, every decoder layer served by ``runtime``; otherwise None, and
 ``unsupported_reason(model, runtime)`` says why. ``step(token, kv)`` runs one token id through
 every layer, appends its K/V to ``kv`` at the positions the model's own forward would (a
@@ -26,7 +26,8 @@ the widened model (one thread, ``python scripts/draft_step_parts.py``, two runs)
 step took 13.1-13.9 ms through the model's forward and 10.6-11.6 ms here, same logits. Only the
 draft runs it: its tokens are proposals the target verifies, so a rounding difference could cost
 acceptance but never change an emitted token; verification always runs the model's own forward. On
-a CPU in float32, for models without attention biases (``native_layers``), a layer's attention
+a CPU in float32, for models without attention biases or clipping whose q/k norms (if any) are
+per head (``native_layers``), a layer's attention
 half is two native calls around the K/V append (``native_rows.draft_qkv``: the input norm, q, k
 and v, per-head norms, rotation; ``native_rows.draft_attend_route``: one query attending the
 cache, o, the residual, the post-attention norm, the router and its top-k), where it was some 25
@@ -60,7 +61,7 @@ from torch import Tensor, nn
 
 from specter.compile.parts import StaticKV
 from specter.compile.decoder_math import (
-    arch_of, layer_weights_of, rms_norm, rope_tables, select_experts,
+    arch_of, layer_weights_of, rms_norm, rope_tables, select_experts, split_heads,
     unsupported_reason as decoder_unsupported,
 )
 from specter.kernels import native_rows
@@ -94,8 +95,10 @@ class LeanDraftStep:
         self.inv_freq = decoder.rotary_emb.inv_freq
         self._cos = self._sin = self.embed.new_empty(0)  # rope tables [positions, 1, head_dim], grown on demand
         self.native_rows = self.arch.row_kernel  # the native row kernels serve every projection and norm
-        # a layer's attention half in two native calls (no biases: those models keep the op-by-op path)
-        self.native_layers = self.native_rows and all(
+        # a layer's attention half in two native calls (no biases, q/k norms per head if any, no
+        # clipping: other models keep the op-by-op path)
+        plain_heads = not self.arch.whole_qk_norm and self.arch.clip_qkv is None
+        self.native_layers = self.native_rows and plain_heads and all(
             w.q_bias is None and w.k_bias is None and w.v_bias is None and w.o_bias is None
             and native_rows.layer_serves(self.embed, self.arch.head_dim, w.input_norm, w.q, w.k, w.v, w.o, w.router)
             for w in self.weights)
@@ -145,15 +148,18 @@ class LeanDraftStep:
 
     def _queries_keys_values(self, w, h: Tensor, cos: Tensor, signed_sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``decoder_math.queries_keys_values`` for one row, the input norm included: ``h [1, H]``
-        -> q [1, nH, d], k and v [1, nKV, d], per-head normed where the model has it, q and k
+        -> q [1, nH, d], k and v [1, nKV, d], normed where the model norms them, q and k
         rotated."""
         arch = self.arch
         _, (q, k, v) = self._norm_project(h, w.input_norm, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias])
-        q = q.view(1, arch.n_heads, arch.head_dim)
-        k = k.view(1, arch.n_kv_heads, arch.head_dim)
-        v = v.view(1, arch.n_kv_heads, arch.head_dim)
-        if w.q_norm is not None:
-            q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
+        if arch.whole_qk_norm or arch.clip_qkv is not None:
+            q, k, v = split_heads(arch, w, q, k, v)
+        else:
+            q = q.view(1, arch.n_heads, arch.head_dim)
+            k = k.view(1, arch.n_kv_heads, arch.head_dim)
+            v = v.view(1, arch.n_kv_heads, arch.head_dim)
+            if w.q_norm is not None:
+                q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
         half = arch.head_dim // 2
         q = torch.addcmul(q * cos, q.roll(half, -1), signed_sin)
         k = torch.addcmul(k * cos, k.roll(half, -1), signed_sin)
