@@ -26,6 +26,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lean")
     paths = {arch: str(save_random_checkpoint(arch, root / arch, seed=1, layers=3))
              for arch in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")}
+    clipped = tiny_config("olmoe", layers=3, clip_qkv=0.05)  # tight enough that the clamp bites
+    paths["olmoe-clip"] = str(save_random_checkpoint(clipped, root / "olmoe-clip", seed=1))
     windowed = tiny_config("mixtral", layers=2, sliding_window=8)
     paths["mixtral-window"] = str(save_random_checkpoint(windowed, root / "mixtral-window", seed=1))
     return paths
@@ -47,10 +49,11 @@ def routing_log(engine) -> list:
 
 
 @pytest.mark.parametrize("path", ["native-layers", "native-projections", "pytorch"])
-@pytest.mark.parametrize("arch", ("mixtral", "qwen3_moe", "olmoe"))
+@pytest.mark.parametrize("arch", ("mixtral", "qwen3_moe", "olmoe", "olmoe-clip"))
 def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, path, checkpoints, monkeypatch):
-    """OLMoE norms q and k over the whole projection: its layers keep the op-by-op attention half."""
-    whole_qk_norm = arch == "olmoe"
+    """OLMoE norms q and k over the whole projection (and may clip q, k and v): its layers keep the
+    op-by-op attention half."""
+    whole_qk_norm = arch.startswith("olmoe")
     if whole_qk_norm and path == "native-layers":
         pytest.skip("OLMoE's q/k norms span the whole projection: no native layer half")
     calls = []
