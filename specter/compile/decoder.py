@@ -2,11 +2,8 @@
 
 Contract:
 - ``unsupported_reason(model) -> str | None`` (``specter.compile.decoder_math``, the model math
-  the graphs trace): why a model cannot be compiled here and what its layers have that the
-  compiled math lacks (None: it can). Supported: llama-style attention (optional biases, q/k
-  RMSNorm per head or over the whole projection, optional q/k/v clipping, default RoPE, sliding
-  window) then gated routed experts ([out, in], no bias) behind a softmax top-k router in every
-  decoder layer: Mixtral, Qwen3-MoE and OLMoE without dense layers.
+  the graphs trace; its contract lists the layer shapes it writes: Mixtral, Qwen3-MoE, OLMoE and
+  Qwen2-MoE without dense layers): why a model cannot be compiled here (None: it can).
 - ``CompiledDecoder(model, experts="resident" | "cache", runtime=None, layered=False)``: the
   model's forward written against its weights (not through transformers' modules), experts from
   the layers' own stacked tensors (``resident``) or from an ``ExpertRuntime``'s device cache and,
@@ -53,8 +50,8 @@ Contract:
 - ``warm_up(max_verify_tokens, draft)`` compiles every graph on scratch inputs (touching no
   observer, cache or counter); ``stats``: its seconds, steps per path, fused-step misses, graphs
   compiled after warm-up (``late_graphs``, from dynamo's counters).
-- ``specter.compile.attach.compile_engine(engine)`` gives an engine its warmed-up decoder.
-On CUDA the fused graphs use CUDA graphs (inductor's ``triton.cudagraphs``; run on an H200, stop 38).
+- ``specter.compile.attach.compile_engine(engine)`` gives an engine its warmed-up decoder. On
+  CUDA the fused graphs use CUDA graphs (inductor's ``triton.cudagraphs``; an H200, stop 38).
 """
 
 from __future__ import annotations
@@ -71,8 +68,8 @@ from torch._dynamo.utils import counters
 
 from specter.compile.host_layer import LayerHost
 from specter.compile.decoder_math import (
-    FUSED_MAX_TOKENS, arch_of, attention_and_route, layer_weights_of, linear, rms_norm, rope_tables,
-    unsupported_reason,
+    FUSED_MAX_TOKENS, after_experts, arch_of, attention_and_route, layer_weights_of, linear, rms_norm,
+    rope_tables, unsupported_reason,
 )
 from specter.errors import SpecterError
 from specter.compile.parts import (
@@ -159,6 +156,7 @@ class CompiledDecoder:
         pieces = dict(fullgraph=True, dynamic=False, options=options)  # the host runs between pieces
         self._embed_piece = torch.compile(self._embed_graph, **pieces)
         self._layer_piece = torch.compile(attention_and_route, **pieces)
+        self._after_piece = torch.compile(after_experts, **pieces)  # a layer with a shared expert
         self._head_piece = torch.compile(self._head_graph, **pieces)
 
     # ----- public --------------------------------------------------------------------------------
@@ -344,7 +342,13 @@ class CompiledDecoder:
                 mark(tensor, 0)
             h, x, top_k_weights, top_k_index = self._layer_piece(
                 self.arch, w, kv.keys[row], kv.values[row], h, cos, sin, positions, kv_index)
-            h = h + host(row, x, top_k_index, top_k_weights)
+            y = host(row, x, top_k_index, top_k_weights)
+            if w.shared is None:
+                h = h + y
+            else:  # the shared expert's graph, dynamic in T as the layer's
+                for tensor in (h, x, y):
+                    mark(tensor, 0)
+                h = self._after_piece(self.arch, w, h, x, y)
         mark(h, 0)
         return self._head_piece(h)
 
@@ -379,7 +383,7 @@ class CompiledDecoder:
             h, x, top_k_weights, top_k_index = attention_and_route(
                 self.arch, w, keys[row], values[row], h, cos, sin, positions, kv_index)
             y, miss = experts(row, x, top_k_index, top_k_weights)
-            h = h + y
+            h = after_experts(self.arch, w, h, x, y)
             indices.append(top_k_index)
             weights.append(top_k_weights)
             inputs.append(x)

@@ -4,15 +4,18 @@ so that dynamo traces them whole (no data-dependent Python) and inductor fuses t
 Contract: ``unsupported_reason(model)`` says why a model's layers are not of the supported shape
 and what in them is missing here (None when they are: llama-style attention with optional biases,
 q/k RMSNorm per head or over the whole projection, optional q/k/v clipping, default RoPE and
-sliding window, then gated [out, in] routed experts without bias behind a softmax top-k router;
-Mixtral, Qwen3-MoE and OLMoE without dense layers). ``arch_of(model)`` and ``layer_weights_of(layer)``
+sliding window, then gated [out, in] routed experts without bias behind a softmax top-k router,
+optionally beside a SiLU-gated shared expert scaled by a sigmoid gate; Mixtral, Qwen3-MoE, OLMoE
+and Qwen2-MoE without dense layers). ``arch_of(model)`` and ``layer_weights_of(layer)``
 read the constants and tensors the functions need; ``attention_and_route`` runs one decoder
-layer up to its experts. Shapes are given as ``# [T, H]`` comments (T tokens of this step).
+layer up to its experts, ``after_experts`` adds their output (and the shared expert's) to the
+residual. Shapes are given as ``# [T, H]`` comments (T tokens of this step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +25,11 @@ from specter.kernels import native_rows
 
 FUSED_MAX_TOKENS = 17  # widest fused step (16 drafts + 1; wider rounds run layered); the row kernel's widest input
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe")
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 # what the compiled decoder's math lacks for each layout Specter runs eagerly
 MISSING_FOR_MODEL_TYPE = {
     "phimoe": "its router is a sparsemixer (each of two experts from a masked softmax) and its norms are "
               "LayerNorms with biases; the compiled math has softmax top-k routers and RMSNorms",
-    "qwen2_moe": "its layers add a shared expert scaled by a sigmoid gate beside the routed ones, which the "
-                 "compiled math does not compute",
     "deepseek_v2": "its attention is multi-head latent attention (compressed, partly rotated keys and values) "
                    "and its router picks within expert groups; the compiled math has llama-style attention and a "
                    "plain softmax top-k router",
@@ -58,6 +59,16 @@ class Arch:
 
 
 @dataclasses.dataclass
+class SharedExpert:
+    """A shared expert beside the routed ones (Qwen2-MoE): ``sigmoid(x @ scale.T) * down(silu(gate(x))
+    * up(x))``, every weight [out, in]."""
+    gate: Tensor
+    up: Tensor
+    down: Tensor
+    scale: Tensor  # [1, H]
+
+
+@dataclasses.dataclass
 class LayerWeights:
     input_norm: Tensor
     post_norm: Tensor
@@ -72,6 +83,7 @@ class LayerWeights:
     q_norm: Tensor | None
     k_norm: Tensor | None
     router: Tensor  # [E, H]
+    shared: SharedExpert | None = None
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -91,6 +103,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return f"decoder layer {index}: only gated [out, in] experts without bias are supported"
         if getattr(experts, "has_post_expert_norm", False):
             return f"decoder layer {index}: post-expert norm is not supported"
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None and (getattr(config, "hidden_act", None) != "silu"
+                                   or not hasattr(mlp, "shared_expert_gate")):
+            return f"decoder layer {index}: a shared expert other than a SiLU-gated one behind a sigmoid gate"
+    if getattr(config, "use_sliding_window", False) and config.model_type == "qwen2_moe":
+        return "sliding attention in some layers only (use_sliding_window)"
     return None
 
 
@@ -105,7 +123,7 @@ def arch_of(model: nn.Module) -> Arch:
         eps=config.rms_norm_eps,
         scaling=attention.scaling,
         rope_scaling=float(model.model.rotary_emb.attention_scaling),
-        sliding_window=getattr(config, "sliding_window", None),
+        sliding_window=getattr(config, "sliding_window", None) or None,  # Qwen2-MoE writes 0 for none
         top_k=router.top_k,
         renormalize=bool(getattr(router, "norm_topk_prob", True)),
         float_scores=config.model_type == "mixtral",
@@ -137,7 +155,16 @@ def layer_weights_of(layer: nn.Module) -> LayerWeights:
         q_norm=q_norm.weight if q_norm is not None else None,
         k_norm=k_norm.weight if k_norm is not None else None,
         router=layer.mlp.gate.weight,
+        shared=_shared_expert_of(layer.mlp),
     )
+
+
+def _shared_expert_of(mlp: nn.Module) -> SharedExpert | None:
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is None:
+        return None
+    return SharedExpert(gate=shared.gate_proj.weight, up=shared.up_proj.weight, down=shared.down_proj.weight,
+                        scale=mlp.shared_expert_gate.weight)
 
 
 # ----- the model's math: plain functions, traced by dynamo ---------------------------------------
@@ -249,3 +276,17 @@ def attention_and_route(
     x = rms_norm(h, w.post_norm, arch.eps)  # [T, H]
     top_k_weights, top_k_index = route(arch, w.router, x)
     return h, x, top_k_weights, top_k_index
+
+
+def after_experts(arch: Arch, w: LayerWeights, h: Tensor, x: Tensor, routed: Tensor,
+                  project: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
+    """The residual ``h [T, H]`` after a layer's experts: ``h + routed``, or with a shared expert
+    ``h + (routed + sigmoid(x @ scale.T) * shared(x))`` (the model's order). ``project(x, weight)``
+    computes ``x @ weight.T`` (default: ``linear``)."""
+    if w.shared is None:
+        return h + routed
+    if project is None:
+        project = lambda rows, weight: linear(rows, weight, None, arch.row_kernel)  # noqa: E731
+    s = w.shared
+    shared = project(F.silu(project(x, s.gate)) * project(x, s.up), s.down)  # [T, H]
+    return h + (routed + torch.sigmoid(project(x, s.scale)) * shared)

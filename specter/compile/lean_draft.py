@@ -4,7 +4,7 @@ Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step wher
 (the composition root calls it, before compiling): an eager engine drafts with it; so does a
 compiled one on a CPU (native kernels serving; ``specter.compile.attach``), with no compiled draft
 graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models
-whose decoder ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE, OLMoE without dense layers)
+whose decoder ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE without dense layers)
 with no sliding window, every decoder layer served by ``runtime``; otherwise None, and
 ``unsupported_reason(model, runtime)`` says why. ``step(token, kv)`` runs one token id through
 every layer, appends its K/V to ``kv`` at the positions the model's own forward would (a
@@ -61,7 +61,7 @@ from torch import Tensor, nn
 
 from specter.compile.parts import StaticKV
 from specter.compile.decoder_math import (
-    arch_of, layer_weights_of, rms_norm, rope_tables, select_experts, split_heads,
+    after_experts, arch_of, layer_weights_of, rms_norm, rope_tables, select_experts, split_heads,
     unsupported_reason as decoder_unsupported,
 )
 from specter.kernels import native_rows
@@ -74,7 +74,7 @@ def unsupported_reason(model: nn.Module, runtime) -> str | None:
     reason = decoder_unsupported(model)
     if reason is not None:
         return reason
-    if getattr(model.config, "sliding_window", None) is not None:
+    if arch_of(model).sliding_window is not None:
         return "a sliding attention window"
     missing = [i for i in range(len(model.model.layers)) if i not in runtime.layers]
     if missing:
@@ -98,6 +98,7 @@ class LeanDraftStep:
         # a layer's attention half in two native calls (no biases, q/k norms per head if any, no
         # clipping: other models keep the op-by-op path)
         plain_heads = not self.arch.whole_qk_norm and self.arch.clip_qkv is None
+        plain_heads = plain_heads and all(w.shared is None for w in self.weights)  # the native layer adds only the routed
         self.native_layers = self.native_rows and plain_heads and all(
             w.q_bias is None and w.k_bias is None and w.v_bias is None and w.o_bias is None
             and native_rows.layer_serves(self.embed, self.arch.head_dim, w.input_norm, w.q, w.k, w.v, w.o, w.router)
@@ -113,6 +114,9 @@ class LeanDraftStep:
             return F.linear(x, weight, bias)
         y = native_rows.grouped_rows(x, weight.unsqueeze(0), self._one_row)
         return y if bias is None else y + bias
+
+    def _project(self, x: Tensor, weight: Tensor) -> Tensor:
+        return self.project(x, weight, None)
 
     @classmethod
     def build(cls, model: nn.Module, runtime) -> LeanDraftStep | None:
@@ -279,7 +283,8 @@ class LeanDraftStep:
             if layer == last and not logits:  # its experts' output feeds nothing a routing-only step returns
                 self.runtime.notify(layer, x, top_k_index, top_k_weights)
             else:
-                h = h + self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
+                routed = self.runtime.forward(layer, self.experts[layer], x, top_k_index, top_k_weights)
+                h = after_experts(self.arch, w, h, x, routed, self._project)
         if static:
             kv.length = position + 1
         if not logits:

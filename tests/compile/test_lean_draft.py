@@ -25,7 +25,7 @@ PROMPT = [1, 17, 93, 4, 250, 31, 8, 66, 140, 7]
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lean")
     paths = {arch: str(save_random_checkpoint(arch, root / arch, seed=1, layers=3))
-             for arch in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")}
+             for arch in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "phimoe")}
     clipped = tiny_config("olmoe", layers=3, clip_qkv=0.05)  # tight enough that the clamp bites
     paths["olmoe-clip"] = str(save_random_checkpoint(clipped, root / "olmoe-clip", seed=1))
     windowed = tiny_config("mixtral", layers=2, sliding_window=8)
@@ -49,13 +49,14 @@ def routing_log(engine) -> list:
 
 
 @pytest.mark.parametrize("path", ["native-layers", "native-projections", "pytorch"])
-@pytest.mark.parametrize("arch", ("mixtral", "qwen3_moe", "olmoe", "olmoe-clip"))
+@pytest.mark.parametrize("arch", ("mixtral", "qwen3_moe", "olmoe", "olmoe-clip", "qwen2_moe"))
 def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, path, checkpoints, monkeypatch):
-    """OLMoE norms q and k over the whole projection (and may clip q, k and v): its layers keep the
-    op-by-op attention half."""
+    """OLMoE norms q and k over the whole projection (and may clip q, k and v), Qwen2-MoE has
+    attention biases and a shared expert: their layers keep the op-by-op attention half."""
     whole_qk_norm = arch.startswith("olmoe")
-    if whole_qk_norm and path == "native-layers":
-        pytest.skip("OLMoE's q/k norms span the whole projection: no native layer half")
+    op_attention = whole_qk_norm or arch == "qwen2_moe"
+    if op_attention and path == "native-layers":
+        pytest.skip(f"{arch}: no native layer half")
     calls = []
     native_projections = path != "pytorch"
     if native_projections:  # every projection of the tiny model through the native row kernel
@@ -70,7 +71,7 @@ def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, path, 
     engine = build(checkpoints[arch])
     try:
         assert engine.lean_draft is not None and engine.lean_draft.native_rows == native_projections
-        assert engine.lean_draft.native_layers == (native_projections and not whole_qk_norm)
+        assert engine.lean_draft.native_layers == (native_projections and not op_attention)
         assert engine.lean_draft.arch.whole_qk_norm == whole_qk_norm
         engine.lean_draft.native_layers = path == "native-layers"
         seen = routing_log(engine)
@@ -94,7 +95,9 @@ def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, path, 
         layers = engine.model.config.num_hidden_layers
         # native layers: a layer's q, k, v, then its attention through the router; the norm with the LM head.
         # Native projections: a layer's norm with q, k and v; o; its norm with the router; the LM head's
-        per_step = {"native-layers": 2 * layers + 1, "native-projections": 3 * layers + 1, "pytorch": 0}[path]
+        # and a shared expert's four projections (Qwen2-MoE)
+        shared = 4 * layers if arch == "qwen2_moe" else 0
+        per_step = {"native-layers": 2 * layers + 1, "native-projections": 3 * layers + 1 + shared, "pytorch": 0}[path]
         assert lean_calls == [per_step] * 4
         torch.testing.assert_close(logits_lean, logits_model, rtol=1e-5, atol=1e-5)
         assert kv_lean.get_seq_length() == kv_model.get_seq_length() == len(PROMPT) + 4
@@ -167,7 +170,7 @@ def test_engines_draft_with_the_lean_step_and_stay_lossless(checkpoints):
     assert result.report["phases"]["draft_steps"] > 0
 
 
-@pytest.mark.parametrize("name, reason", [("qwen2_moe", "model type 'qwen2_moe'"),
+@pytest.mark.parametrize("name, reason", [("phimoe", "model type 'phimoe'"),
                                           ("mixtral-window", "sliding attention window")])
 def test_other_models_draft_through_their_own_forward(name, reason, checkpoints):
     engine = build(checkpoints[name])
