@@ -4,8 +4,8 @@ Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step wher
 (the composition root calls it, before compiling): an eager engine drafts with it; so does a
 compiled one on a CPU (native kernels serving; ``specter.compile.attach``), with no compiled draft
 graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models
-whose decoder ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE without dense layers)
-with no sliding window, every decoder layer served by ``runtime``; otherwise None, and
+whose decoder ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE without
+dense layers) with no sliding window, every decoder layer served by ``runtime``; otherwise None, and
 ``unsupported_reason(model, runtime)`` says why. ``step(token, kv)`` runs one token id through
 every layer, appends its K/V to ``kv`` at the positions the model's own forward would (a
 transformers cache, or the compiled decoder's ``StaticKV``, written in place, its length
@@ -26,12 +26,11 @@ the widened model (one thread, ``python scripts/draft_step_parts.py``, two runs)
 step took 13.1-13.9 ms through the model's forward and 10.6-11.6 ms here, same logits. Only the
 draft runs it: its tokens are proposals the target verifies, so a rounding difference could cost
 acceptance but never change an emitted token; verification always runs the model's own forward. On
-a CPU in float32, for models without attention biases or clipping whose q/k norms (if any) are
-per head (``native_layers``), a layer's attention
-half is two native calls around the K/V append (``native_rows.draft_qkv``: the input norm, q, k
-and v, per-head norms, rotation; ``native_rows.draft_attend_route``: one query attending the
-cache, o, the residual, the post-attention norm, the router and its top-k), where it was some 25
-PyTorch ops: widened model, one thread, an eager engine toggled per run in one process, eight runs
+a CPU in float32, for models without attention biases, clipping or shared experts whose q/k norms
+(if any) are per head (``native_layers``), a layer's attention half is two native calls around
+the K/V append (``native_rows.draft_qkv``: the input norm, q, k and v, per-head norms, rotation;
+``native_rows.draft_attend_route``: one query attending the cache, o, the residual, the
+post-attention norm, the router and its top-k), where it was some 25 PyTorch ops: widened model, one thread, an eager engine toggled per run in one process, eight runs
 each (``/tmp`` script, 2026-12-05), 50% on ``local``, k = 8: draft step 2.79 against 3.11 ms,
 116.8 against 112.5 tok/s; 25% on ``local``, k = 4: 2.76 against 3.12 ms, 100.2 against 96.4
 tok/s; every run faster. Where the step's K/V go to the compiled decoder's static cache or beside
@@ -96,10 +95,11 @@ class LeanDraftStep:
         self._cos = self._sin = self.embed.new_empty(0)  # rope tables [positions, 1, head_dim], grown on demand
         self.native_rows = self.arch.row_kernel  # the native row kernels serve every projection and norm
         # a layer's attention half in two native calls (no biases, q/k norms per head if any, no
-        # clipping: other models keep the op-by-op path)
-        plain_heads = not self.arch.whole_qk_norm and self.arch.clip_qkv is None
-        plain_heads = plain_heads and all(w.shared is None for w in self.weights)  # the native layer adds only the routed
-        self.native_layers = self.native_rows and plain_heads and all(
+        # clipping, no shared expert, which the native layer would leave out: other models keep
+        # the op-by-op path)
+        plain = not self.arch.whole_qk_norm and self.arch.clip_qkv is None
+        plain = plain and all(w.shared is None for w in self.weights)
+        self.native_layers = self.native_rows and plain and all(
             w.q_bias is None and w.k_bias is None and w.v_bias is None and w.o_bias is None
             and native_rows.layer_serves(self.embed, self.arch.head_dim, w.input_norm, w.q, w.k, w.v, w.o, w.router)
             for w in self.weights)
