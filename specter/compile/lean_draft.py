@@ -21,36 +21,36 @@ toggled in one process: draft step 2.71 against 2.80 ms, 119.6 against 118.4 tok
 with the context).
 
 Why: a draft step through transformers' modules spends most of its non-expert time dispatching
-modules, building masks and position ids for one token; this step does only the tensor math. On
-the widened model (one thread, ``python scripts/draft_step_parts.py``, two runs) an engine's draft
-step took 13.1-13.9 ms through the model's forward and 10.6-11.6 ms here, same logits. Only the
-draft runs it: its tokens are proposals the target verifies, so a rounding difference could cost
-acceptance but never change an emitted token; verification always runs the model's own forward. On
-a CPU in float32, for models without attention biases, clipping or shared experts whose q/k norms
-(if any) are per head (``native_layers``), a layer's attention half is two native calls around
-the K/V append (``native_rows.draft_qkv``: the input norm, q, k and v, per-head norms, rotation;
+modules, building masks and position ids for one token; this step does only the tensor math. On the
+widened model (one thread, ``python scripts/draft_step_parts.py``, two runs) an engine's draft step
+took 13.1-13.9 ms through the model's forward and 10.6-11.6 ms here, same logits. Only the draft
+runs it: its tokens are proposals the target verifies, so a rounding difference could cost
+acceptance but never change an emitted token; verification always runs the model's own forward. On a
+CPU in float32, for models without attention biases, clipping or shared experts whose q/k norms (if
+any) are per head (``native_layers``), a layer's attention half is two native calls around the K/V
+append (``native_rows.draft_qkv``: the input norm, q, k and v, per-head norms, rotation;
 ``native_rows.draft_attend_route``: one query attending the cache, o, the residual, the
-post-attention norm, the router and its top-k), where it was some 25 PyTorch ops: widened model, one thread, an eager engine toggled per run in one process, eight runs
-each (``/tmp`` script, 2026-12-05), 50% on ``local``, k = 8: draft step 2.79 against 3.11 ms,
-116.8 against 112.5 tok/s; 25% on ``local``, k = 4: 2.76 against 3.12 ms, 100.2 against 96.4
-tok/s; every run faster. Where the step's K/V go to the compiled decoder's static cache or beside
-a transformers cache (``ahead``) and the layer's INT4 draft experts are the native kernel's
-one-token form (``fused_token``), the whole layer is one native call (``native_rows.draft_layer``:
-those two calls, the K/V write, the experts and the residual; the same bits; the observers hear
-the layer right after it; ``fused_layers``): widened model, 50% on ``local``, k = 4, one thread,
-the same engines toggled per run in one process, four runs each way (``/tmp`` script, 2026-12-05):
-compiled draft step 2.42 against 2.67 ms, 103.3 against 101.7 tok/s (0.964x against 0.949x
-compiled ``resident``); eager 2.48 against 2.66 ms, 98.1 against 97.3 tok/s. Otherwise each norm
-goes with the projections that read its output into one native call (``native_rows.normed_rows``:
-the input norm with q, k and v, the post-attention norm with the router, the final norm with the
-LM head; the target's own weights, [out, in]), o through the native row kernel
-(``native_rows.grouped_rows``), and q and k rotate in three ops (``_rope``). Against the previous
-step (each norm and projection its own op, o and the projections on the row kernel, ``rotate``'s
-slices and cat), the same engine, one thread, rounds of five steps alternating in one process with
-256 MiB swept before each: 3.44 against 3.98 ms a step (medians of 100 rounds each; ``/tmp``
-script, 2026-12-03). The router's narrow weight rides in its norm's call; alone, a weight under
-``NATIVE_MIN_ROWS`` rows stays on ``F.linear`` (faster there: stop 27's measurement of the router
-by itself)."""
+post-attention norm, the router and its top-k), where it was some 25 PyTorch ops: widened model, one
+thread, an eager engine toggled per run in one process, eight runs each (``/tmp`` script,
+2026-12-05), 50% on ``local``, k = 8: draft step 2.79 against 3.11 ms, 116.8 against 112.5 tok/s;
+25% on ``local``, k = 4: 2.76 against 3.12 ms, 100.2 against 96.4 tok/s; every run faster. Where the
+step's K/V go to the compiled decoder's static cache or beside a transformers cache (``ahead``) and
+the layer's INT4 draft experts are the native kernel's one-token form (``fused_token``), the whole
+layer is one native call (``native_rows.draft_layer``: those two calls, the K/V write, the experts
+and the residual; the same bits; the observers hear the layer right after it; ``fused_layers``):
+widened model, 50% on ``local``, k = 4, one thread, the same engines toggled per run in one process,
+four runs each way (``/tmp`` script, 2026-12-05): compiled draft step 2.42 against 2.67 ms, 103.3
+against 101.7 tok/s (0.964x against 0.949x compiled ``resident``); eager 2.48 against 2.66 ms, 98.1
+against 97.3 tok/s. Otherwise each norm goes with the projections that read its output into one
+native call (``native_rows.normed_rows``: the input norm with q, k and v, the post-attention norm
+with the router, the final norm with the LM head; the target's own weights, [out, in]), o through
+the native row kernel (``native_rows.grouped_rows``), and q and k rotate in three ops (``_rope``).
+Against the previous step (each norm and projection its own op, o and the projections on the row
+kernel, ``rotate``'s slices and cat), the same engine, one thread, rounds of five steps alternating
+in one process with 256 MiB swept before each: 3.44 against 3.98 ms a step (medians of 100 rounds
+each; ``/tmp`` script, 2026-12-03). The router's narrow weight rides in its norm's call; alone, a
+weight under ``NATIVE_MIN_ROWS`` rows stays on ``F.linear`` (faster there: stop 27's measurement of
+the router by itself)."""
 
 from __future__ import annotations
 
