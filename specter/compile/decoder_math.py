@@ -1,15 +1,16 @@
 """The model math of the compiled decoder: plain functions over a decoder layer's weights, written
 so that dynamo traces them whole (no data-dependent Python) and inductor fuses them.
 
-Contract: ``unsupported_reason(model)`` says why a model's layers are not of the supported shape
-and what in them is missing here (None when they are: llama-style attention with optional biases,
-q/k RMSNorm per head or over the whole projection, optional q/k/v clipping, default RoPE and
-sliding window, then gated [out, in] routed experts without bias behind a softmax top-k router,
-optionally beside a SiLU-gated shared expert scaled by a sigmoid gate; Mixtral, Qwen3-MoE, OLMoE
-and Qwen2-MoE without dense layers). ``arch_of(model)`` and ``layer_weights_of(layer)``
-read the constants and tensors the functions need; ``attention_and_route`` runs one decoder
-layer up to its experts, ``after_experts`` adds their output (and the shared expert's) to the
-residual. Shapes are given as ``# [T, H]`` comments (T tokens of this step).
+Contract: ``unsupported_reason(model)`` says why a model's layers are not of the supported shape and
+what in them is missing here (None when they are: llama-style attention with optional biases, q/k
+RMSNorm per head or over the whole projection, optional q/k/v clipping, RoPE whose frequencies are
+fixed at load (default, linear, llama3, YaRN) and sliding window, then gated [out, in] routed
+experts without bias behind a softmax top-k router, optionally beside a SiLU-gated shared expert
+scaled by a sigmoid gate; Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE without dense layers).
+``arch_of(model)`` and ``layer_weights_of(layer)`` read the constants and tensors the functions
+need; ``attention_and_route`` runs one decoder layer up to its experts, ``after_experts`` adds their
+output (and the shared expert's) to the residual. Shapes are given as ``# [T, H]`` comments (T
+tokens of this step).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from specter.kernels import native_rows
 FUSED_MAX_TOKENS = 17  # widest fused step (16 drafts + 1; wider rounds run layered); the row kernel's widest input
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+# RoPE variants whose frequencies and attention scaling transformers computes once, at load
+# (``dynamic`` and ``longrope`` recompute them from the sequence length in every forward)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # what the compiled decoder's math lacks for each layout Specter runs eagerly
 MISSING_FOR_MODEL_TYPE = {
     "phimoe": "its router is a sparsemixer (each of two experts from a masked softmax) and its norms are "
@@ -91,9 +95,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         missing = MISSING_FOR_MODEL_TYPE.get(config.model_type, "its layers were never written here")
         return f"model type {config.model_type!r}: {missing} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        return f"rope type {rope.get('rope_type')!r} (supported: default)"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return (f"rope type {rope_type!r}: its frequencies change with the sequence length, the compiled math "
+                f"reads them once (supported: {', '.join(STATIC_ROPE_TYPES)})")
     for index, layer in enumerate(model.model.layers):
         mlp = getattr(layer, "mlp", None)
         experts = getattr(mlp, "experts", None)

@@ -23,7 +23,7 @@ from specter.errors import SpecterError
 from specter.model import expert_layout
 from specter.kernels.slot_experts import gather_experts, slots_for
 from specter.testing.marks import needs_native
-from specter.testing.zoo import random_model, save_random_checkpoint
+from specter.testing.zoo import random_model, save_random_checkpoint, tiny_config
 
 torch.set_num_threads(1)
 
@@ -213,16 +213,36 @@ def test_gather_experts_matches_per_pair_math():
     assert bool(slots_for(torch.tensor([3, -1, 0]), torch.tensor([[1, 2]]))[1])
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("rope, refused", [
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, False),
+    ({"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 32}, False),
+    (YARN, False),
+    ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, True)])
+def test_rope_whose_frequencies_are_fixed_at_load_compiles(rope, refused):
+    model = random_model(tiny_config("mixtral", rope_parameters=rope, head_dim=16))
+    reason = unsupported_reason(model)
+    assert (reason is not None) == refused
+    if refused:
+        assert "rope type 'dynamic'" in reason and "sequence length" in reason
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "qwen2_moe", "mixtral-yarn"])
 def test_other_layouts_compile_to_the_eager_tokens(arch, tmp_path):
     """Qwen3-MoE (per-head q/k norms), OLMoE (q/k norms over the whole projection; the lean draft
     step then attends op by op) and Qwen2-MoE (attention biases, a sigmoid-gated shared expert, no
-    sliding window though its config holds one): compiled ``resident`` and ``specter`` give eager
+    sliding window though its config holds one), a Mixtral with YaRN RoPE (frequencies and attention
+    scaling fixed at load): compiled ``resident`` and ``specter`` give eager
     ``resident``'s tokens, with no graph compiled after warm-up. Each layout's graphs are traced
     afresh (the model math's functions are shared, so other layouts' graphs would count against
     dynamo's recompile limit) and dropped after."""
-    path = str(save_random_checkpoint(arch, tmp_path / arch, seed=0, hidden=64, intermediate=64, layers=2))
+    config = (tiny_config("mixtral", rope_parameters=YARN, head_dim=16) if arch == "mixtral-yarn"
+              else tiny_config(arch, hidden=64, intermediate=64, layers=2))
+    path = str(save_random_checkpoint(config, tmp_path / arch, seed=0))
     eager = specter.load(recipe(path, "resident", compile=False)).generate(PROMPTS).token_ids
     torch._dynamo.reset()
     try:

@@ -26,6 +26,9 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lean")
     paths = {arch: str(save_random_checkpoint(arch, root / arch, seed=1, layers=3))
              for arch in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "phimoe")}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 1024}
+    paths["mixtral-yarn"] = str(save_random_checkpoint(tiny_config("mixtral", layers=3, rope_parameters=yarn, head_dim=16),
+                                                       root / "mixtral-yarn", seed=1))
     clipped = tiny_config("olmoe", layers=3, clip_qkv=0.05)  # tight enough that the clamp bites
     paths["olmoe-clip"] = str(save_random_checkpoint(clipped, root / "olmoe-clip", seed=1))
     windowed = tiny_config("mixtral", layers=2, sliding_window=8)
@@ -52,7 +55,7 @@ OP_ATTENTION = ("olmoe", "olmoe-clip", "qwen2_moe")  # no native layer half: see
 
 
 @pytest.mark.parametrize("arch, path", [
-    (arch, path) for arch in ("mixtral", "qwen3_moe", *OP_ATTENTION)
+    (arch, path) for arch in ("mixtral", "qwen3_moe", "mixtral-yarn", *OP_ATTENTION)
     for path in ("native-layers", "native-projections", "pytorch")
     if not (arch in OP_ATTENTION and path == "native-layers")])
 def test_lean_steps_match_the_models_forward_with_the_draft_experts(arch, path, checkpoints, monkeypatch):
