@@ -68,9 +68,10 @@ from torch._dynamo.utils import counters
 
 from specter.compile.host_layer import LayerHost
 from specter.compile.decoder_math import (
-    FUSED_MAX_TOKENS, after_experts, arch_of, attention_and_route, layer_weights_of, linear, rms_norm,
-    rope_tables, unsupported_reason,
+    FUSED_MAX_TOKENS, after_experts, arch_of, attention_and_route, layer_tensors, layer_weights_of, linear,
+    rms_norm, rope_tables, unsupported_reason,
 )
+from specter.compile.layout_code import layout_key, per_layout
 from specter.errors import SpecterError
 from specter.compile.parts import (
     CompiledDraftExperts, CompileStats, OwnExperts, PathChooser, SlotExperts, StaticKV, StepOutput, _mark_static,
@@ -137,9 +138,10 @@ class CompiledDecoder:
         self.lean_step = None  # the eager lean draft step (attach.compile_engine): then it runs every draft step
         self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
 
+        dense = [self.embed, self.final_norm, self.lm_head, self.lm_head_bias, self.inv_freq]
+        dense += [t for w in self.layers for t in layer_tensors(w)]
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
-            weights = [self.embed, self.final_norm, self.lm_head, self.lm_head_bias, self.inv_freq]
-            weights += [getattr(w, f.name) for w in self.layers for f in dataclasses.fields(w)]
+            weights = list(dense)
             if self.cache is None:
                 weights += [t for m in self.expert_modules for t in (m.gate_up_proj, m.down_proj)]
             else:
@@ -151,13 +153,15 @@ class CompiledDecoder:
         # about 10 s more compile per fused graph; off by default to keep warm-up short
         fused_options = options | {"triton.cudagraphs": self.cuda_graphs, "cpp_wrapper": cpp_wrapper}
         fused = dict(fullgraph=True, dynamic=False, options=fused_options)
-        self._target_step = torch.compile(self._target_graph, **fused)
-        self._draft_step = torch.compile(self._draft_graph, **fused)
+        shaped = [*dense, *self.expert_modules[0].parameters()]
+        key = layout_key(self.arch, self.dtype, self.device, shaped, experts)  # graphs and limits per layout
+        self._target_step = torch.compile(per_layout(self._target_graph, key), **fused)
+        self._draft_step = torch.compile(per_layout(self._draft_graph, key), **fused)
         pieces = dict(fullgraph=True, dynamic=False, options=options)  # the host runs between pieces
-        self._embed_piece = torch.compile(self._embed_graph, **pieces)
-        self._layer_piece = torch.compile(attention_and_route, **pieces)
-        self._after_piece = torch.compile(after_experts, **pieces)  # a layer with a shared expert
-        self._head_piece = torch.compile(self._head_graph, **pieces)
+        self._embed_piece = torch.compile(per_layout(self._embed_graph, key), **pieces)
+        self._layer_piece = torch.compile(per_layout(attention_and_route, key), **pieces)
+        self._after_piece = torch.compile(per_layout(after_experts, key), **pieces)  # a layer with a shared expert
+        self._head_piece = torch.compile(per_layout(self._head_graph, key), **pieces)
 
     # ----- public --------------------------------------------------------------------------------
 

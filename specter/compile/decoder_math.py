@@ -164,6 +164,13 @@ def layer_weights_of(layer: nn.Module) -> LayerWeights:
     )
 
 
+def layer_tensors(w: LayerWeights) -> list[Tensor | None]:
+    """Every tensor field of ``w`` (None where the layer has none), the shared expert's included."""
+    tensors = [getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "shared"]
+    shared = [getattr(w.shared, f.name) for f in dataclasses.fields(SharedExpert)] if w.shared is not None else []
+    return tensors + shared
+
+
 def _shared_expert_of(mlp: nn.Module) -> SharedExpert | None:
     shared = getattr(mlp, "shared_expert", None)
     if shared is None:
