@@ -2,8 +2,8 @@
 
 Contract:
 - ``unsupported_reason(model) -> str | None`` (``specter.compile.decoder_math``, the model math
-  the graphs trace; its contract lists the layer shapes it writes: Mixtral, Qwen3-MoE, OLMoE and
-  Qwen2-MoE without dense layers): why a model cannot be compiled here (None: it can).
+  the graphs trace; its contract lists the layer shapes it writes: Mixtral, Qwen3-MoE, OLMoE,
+  Qwen2-MoE and PhiMoE without dense layers): why a model cannot be compiled here (None: it can).
 - ``CompiledDecoder(model, experts="resident" | "cache", runtime=None, layered=False)``: the
   model's forward written against its weights (not through transformers' modules), experts from
   the layers' own stacked tensors (``resident``) or from an ``ExpertRuntime``'s device cache and,
@@ -68,8 +68,8 @@ from torch._dynamo.utils import counters
 
 from specter.compile.host_layer import LayerHost
 from specter.compile.decoder_math import (
-    FUSED_MAX_TOKENS, after_experts, arch_of, attention_and_route, layer_tensors, layer_weights_of, linear,
-    rms_norm, rope_tables, unsupported_reason,
+    DEFAULT_MAX_LEN, FUSED_MAX_TOKENS, after_experts, arch_of, attention_and_route, layer_tensors, layer_weights_of,
+    linear, longrope_switch, norm, rope_tables, unsupported_reason,
 )
 from specter.compile.layout_code import layout_key, per_layout
 from specter.errors import SpecterError
@@ -77,7 +77,6 @@ from specter.compile.parts import (
     CompiledDraftExperts, CompileStats, OwnExperts, PathChooser, SlotExperts, StaticKV, StepOutput, _mark_static,
 )
 
-DEFAULT_MAX_LEN = 2048
 DRAFT_KEY = 0  # the PathChooser's key for draft steps (target steps are keyed by their width >= 1)
 HostExperts = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (row, x [T,H], index [T,k], weights [T,k])
 
@@ -109,7 +108,7 @@ class CompiledDecoder:
         self.stats = CompileStats()
         self.device, self.dtype = decoder.embed_tokens.weight.device, decoder.embed_tokens.weight.dtype
         self.embed = decoder.embed_tokens.weight  # [V, H]
-        self.final_norm = decoder.norm.weight
+        self.final_norm, self.final_norm_bias = decoder.norm.weight, getattr(decoder.norm, "bias", None)
         self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias  # [V, H], [V] or None
         self.inv_freq = decoder.rotary_emb.inv_freq
         self.layers = [layer_weights_of(layer) for layer in decoder.layers]
@@ -117,6 +116,8 @@ class CompiledDecoder:
         # every decoder layer is an MoE layer (unsupported_reason), so layer index == cache row
         positions_limit = getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LEN)
         self.max_len = max_len or min(positions_limit, DEFAULT_MAX_LEN)
+        if decoder.rotary_emb.rope_type == "longrope" and self.max_len > longrope_switch(model):
+            raise SpecterError(f"compile: longrope switches its frequencies past {longrope_switch(model)} tokens")
         self.span_step = span_step if span_step is not None or self.device.type == "cuda" else 64
         shape = (1, self.arch.n_kv_heads, self.max_len, self.arch.head_dim)
         self._keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
@@ -138,7 +139,7 @@ class CompiledDecoder:
         self.lean_step = None  # the eager lean draft step (attach.compile_engine): then it runs every draft step
         self.chooser = PathChooser()  # fused or layered, per width, for cache target steps
 
-        dense = [self.embed, self.final_norm, self.lm_head, self.lm_head_bias, self.inv_freq]
+        dense = [self.embed, self.final_norm, self.final_norm_bias, self.lm_head, self.lm_head_bias, self.inv_freq]
         dense += [t for w in self.layers for t in layer_tensors(w)]
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
             weights = list(dense)
@@ -376,7 +377,7 @@ class CompiledDecoder:
         return h, cos, sin
 
     def _head_graph(self, h: Tensor) -> Tensor:
-        normed = rms_norm(h, self.final_norm, self.arch.eps)
+        normed = norm(self.arch, h, self.final_norm, self.final_norm_bias)
         return linear(normed, self.lm_head, self.lm_head_bias, self.arch.row_kernel).float()  # [T, V]
 
     def _fused(self, experts, tokens: Tensor, positions: Tensor, kv_index: Tensor,

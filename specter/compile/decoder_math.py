@@ -4,13 +4,14 @@ so that dynamo traces them whole (no data-dependent Python) and inductor fuses t
 Contract: ``unsupported_reason(model)`` says why a model's layers are not of the supported shape and
 what in them is missing here (None when they are: llama-style attention with optional biases, q/k
 RMSNorm per head or over the whole projection, optional q/k/v clipping, RoPE whose frequencies are
-fixed at load (default, linear, llama3, YaRN) and sliding window, then gated [out, in] routed
-experts without bias behind a softmax top-k router, optionally beside a SiLU-gated shared expert
-scaled by a sigmoid gate; Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE without dense layers).
-``arch_of(model)`` and ``layer_weights_of(layer)`` read the constants and tensors the functions
-need; ``attention_and_route`` runs one decoder layer up to its experts, ``after_experts`` adds their
-output (and the shared expert's) to the residual. Shapes are given as ``# [T, H]`` comments (T
-tokens of this step).
+fixed at load (default, linear, llama3, YaRN; longrope where the decoder's positions stay within its
+short factors) and sliding window, RMSNorms or LayerNorms with biases, then gated [out, in] routed
+experts without bias behind a softmax top-k router or PhiMoE's sparsemixer, optionally beside a
+SiLU-gated shared expert scaled by a sigmoid gate; Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and PhiMoE
+without dense layers). ``arch_of(model)`` and ``layer_weights_of(layer)`` read the constants and
+tensors the functions need; ``attention_and_route`` runs one decoder layer up to its experts,
+``after_experts`` adds their output (and the shared expert's) to the residual. Shapes are given as
+``# [T, H]`` comments (T tokens of this step).
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ from specter.kernels import native_rows
 
 FUSED_MAX_TOKENS = 17  # widest fused step (16 drafts + 1; wider rounds run layered); the row kernel's widest input
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe")
 # RoPE variants whose frequencies and attention scaling transformers computes once, at load
 # (``dynamic`` and ``longrope`` recompute them from the sequence length in every forward)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+DEFAULT_MAX_LEN = 2048  # the compiled decoder's longest sequence unless given (at most the model's positions)
 # what the compiled decoder's math lacks for each layout Specter runs eagerly
 MISSING_FOR_MODEL_TYPE = {
-    "phimoe": "its router is a sparsemixer (each of two experts from a masked softmax) and its norms are "
-              "LayerNorms with biases; the compiled math has softmax top-k routers and RMSNorms",
     "deepseek_v2": "its attention is multi-head latent attention (compressed, partly rotated keys and values) "
                    "and its router picks within expert groups; the compiled math has llama-style attention and a "
                    "plain softmax top-k router",
@@ -58,6 +58,8 @@ class Arch:
     renormalize: bool  # top-k weights divided by their sum
     float_scores: bool  # Mixtral keeps router weights in float32; Qwen3-MoE casts to the logits' dtype
     row_kernel: bool = False  # the native row kernels serve the dense projections and norms (``linear``)
+    layer_norm: bool = False  # LayerNorms with biases instead of RMSNorms (PhiMoE)
+    sparsemixer_eps: float | None = None  # PhiMoE's router: two experts, each from a masked softmax
     whole_qk_norm: bool = False  # q/k RMSNorm over the whole projection before the heads split (OLMoE)
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE's option)
 
@@ -88,6 +90,8 @@ class LayerWeights:
     k_norm: Tensor | None
     router: Tensor  # [E, H]
     shared: SharedExpert | None = None
+    input_norm_bias: Tensor | None = None  # LayerNorm models
+    post_norm_bias: Tensor | None = None
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -96,13 +100,16 @@ def unsupported_reason(model: nn.Module) -> str | None:
         missing = MISSING_FOR_MODEL_TYPE.get(config.model_type, "its layers were never written here")
         return f"model type {config.model_type!r}: {missing} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    longest = min(getattr(config, "max_position_embeddings", DEFAULT_MAX_LEN), DEFAULT_MAX_LEN)
+    if rope_type == "longrope" and longest <= longrope_switch(model):
+        rope_type = "default"  # its short factors, fixed at load, serve every sequence up to there
     if rope_type not in STATIC_ROPE_TYPES:
         return (f"rope type {rope_type!r}: its frequencies change with the sequence length, the compiled math "
                 f"reads them once (supported: {', '.join(STATIC_ROPE_TYPES)})")
     for index, layer in enumerate(model.model.layers):
         mlp = getattr(layer, "mlp", None)
         experts = getattr(mlp, "experts", None)
-        if experts is None or not hasattr(mlp, "gate"):
+        if experts is None or _router_of(mlp) is None:
             return f"decoder layer {index} has no routed experts (dense layers are not supported)"
         if not experts.has_gate or experts.is_transposed or experts.has_bias:
             return f"decoder layer {index}: only gated [out, in] experts without bias are supported"
@@ -120,7 +127,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 def arch_of(model: nn.Module) -> Arch:
     config = model.config
     attention = model.model.layers[0].self_attn
-    router = model.model.layers[0].mlp.gate
+    router = _router_of(model.model.layers[0].mlp)
     return Arch(
         n_heads=config.num_attention_heads,
         n_kv_heads=config.num_key_value_heads,
@@ -133,6 +140,8 @@ def arch_of(model: nn.Module) -> Arch:
         renormalize=bool(getattr(router, "norm_topk_prob", True)),
         float_scores=config.model_type == "mixtral",
         row_kernel=_row_kernel_serves(model),
+        layer_norm=isinstance(model.model.norm, nn.LayerNorm),
+        sparsemixer_eps=config.router_jitter_noise if config.model_type == "phimoe" else None,
         whole_qk_norm=config.model_type == "olmoe",
         clip_qkv=getattr(config, "clip_qkv", None),
     )
@@ -159,9 +168,21 @@ def layer_weights_of(layer: nn.Module) -> LayerWeights:
         v_bias=attention.v_proj.bias, o_bias=attention.o_proj.bias,
         q_norm=q_norm.weight if q_norm is not None else None,
         k_norm=k_norm.weight if k_norm is not None else None,
-        router=layer.mlp.gate.weight,
+        router=_router_of(layer.mlp).weight,
         shared=_shared_expert_of(layer.mlp),
+        input_norm_bias=getattr(layer.input_layernorm, "bias", None),
+        post_norm_bias=getattr(layer.post_attention_layernorm, "bias", None),
     )
+
+
+def longrope_switch(model: nn.Module) -> int:
+    """Past how many tokens a ``longrope`` model's frequencies switch to their long factors (0: not said)."""
+    parameters = getattr(model.config, "rope_parameters", None) or {}
+    return int(parameters.get("original_max_position_embeddings") or 0)
+
+
+def _router_of(mlp: nn.Module) -> nn.Module | None:
+    return getattr(mlp, "gate", None) or getattr(mlp, "router", None)  # PhiMoE names it router
 
 
 def layer_tensors(w: LayerWeights) -> list[Tensor | None]:
@@ -208,6 +229,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
+def norm(arch: Arch, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The model's norm: RMSNorm, or LayerNorm with its bias (``arch.layer_norm``)."""
+    if arch.layer_norm:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, arch.eps)
+    return rms_norm(x, weight, arch.eps)
+
+
 def rope_tables(inv_freq: Tensor, positions: Tensor, scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     freqs = positions[:, None].float() * inv_freq[None, :].float()  # [T, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
@@ -228,6 +256,8 @@ def route(arch: Arch, router: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
 
 def select_experts(arch: Arch, logits: Tensor) -> tuple[Tensor, Tensor]:
     """Router logits [T, E] -> (top_k_weights [T, k], top_k_index [T, k]), as the model's router."""
+    if arch.sparsemixer_eps is not None:
+        return sparsemixer(logits, arch.sparsemixer_eps)
     probs = torch.softmax(logits.float(), dim=-1)
     top_k_weights, top_k_index = torch.topk(probs, arch.top_k, dim=-1)  # [T, k]
     if arch.renormalize:
@@ -235,6 +265,20 @@ def select_experts(arch: Arch, logits: Tensor) -> tuple[Tensor, Tensor]:
     if not arch.float_scores:
         top_k_weights = top_k_weights.to(logits.dtype)
     return top_k_weights, top_k_index
+
+
+def sparsemixer(scores: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """PhiMoE's router in inference: the top expert, then the best of the rest, each weighted by a
+    softmax over the experts within a relative ``2 * eps`` of its score (the others masked)."""
+    weights, picks, masked = [], [], scores
+    for _ in range(2):
+        threshold, pick = masked.max(dim=-1, keepdim=True)  # [T, 1]
+        factor = scores.abs().clamp(min=threshold)
+        gates = masked.masked_fill((threshold - scores) / factor > 2 * eps, float("-inf"))
+        weights.append(torch.softmax(gates, dim=-1).gather(-1, pick))
+        picks.append(pick)
+        masked = torch.scatter(scores, -1, pick, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(picks, dim=-1)
 
 
 def queries_keys_values(
@@ -273,7 +317,7 @@ def attention_and_route(
     """One decoder layer up to its experts: (h after attention [T, H], expert input [T, H],
     top_k_weights [T, k], top_k_index [T, k]); writes the layer's K/V at ``positions``."""
     num_tokens = h.shape[0]
-    q, k, v = queries_keys_values(arch, w, rms_norm(h, w.input_norm, arch.eps), cos, sin)
+    q, k, v = queries_keys_values(arch, w, norm(arch, h, w.input_norm, w.input_norm_bias), cos, sin)
     keys[:, :, positions] = k.transpose(0, 1)[None]  # [1, nKV, T, d] into [1, nKV, L, d], in place
     values[:, :, positions] = v.transpose(0, 1)[None]
     span = kv_index.shape[0]
@@ -285,7 +329,7 @@ def attention_and_route(
         scale=arch.scaling, enable_gqa=arch.n_heads != arch.n_kv_heads,
     )  # [1, nH, T, d]
     h = h + linear(attended[0].transpose(0, 1).reshape(num_tokens, -1), w.o, w.o_bias, arch.row_kernel)  # [T, H]
-    x = rms_norm(h, w.post_norm, arch.eps)  # [T, H]
+    x = norm(arch, h, w.post_norm, w.post_norm_bias)  # [T, H]
     top_k_weights, top_k_index = route(arch, w.router, x)
     return h, x, top_k_weights, top_k_index
 

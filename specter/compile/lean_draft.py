@@ -4,9 +4,9 @@ Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step wher
 (the composition root calls it, before compiling): an eager engine drafts with it; so does a
 compiled one on a CPU (native kernels serving; ``specter.compile.attach``), with no compiled draft
 graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models
-whose decoder ``specter.compile.decoder_math`` writes (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE without
-dense layers) with no sliding window, every decoder layer served by ``runtime``; otherwise None, and
-``unsupported_reason(model, runtime)`` says why. ``step(token, kv)`` runs one token id through
+whose decoder ``specter.compile.decoder_math`` writes with RMSNorms (Mixtral, Qwen3-MoE, OLMoE,
+Qwen2-MoE without dense layers; not PhiMoE's LayerNorms) and no sliding window, every decoder
+layer served by ``runtime``; otherwise None, and ``unsupported_reason(model, runtime)`` says why. ``step(token, kv)`` runs one token id through
 every layer, appends its K/V to ``kv`` at the positions the model's own forward would (a
 transformers cache, or the compiled decoder's ``StaticKV``, written in place, its length
 advanced), computes the routed experts through ``runtime.forward`` (in draft mode: the INT4
@@ -73,8 +73,11 @@ def unsupported_reason(model: nn.Module, runtime) -> str | None:
     reason = decoder_unsupported(model)
     if reason is not None:
         return reason
-    if arch_of(model).sliding_window is not None:
+    arch = arch_of(model)
+    if arch.sliding_window is not None:
         return "a sliding attention window"
+    if arch.layer_norm:
+        return "LayerNorms (the lean step norms by RMS)"
     missing = [i for i in range(len(model.model.layers)) if i not in runtime.layers]
     if missing:
         return f"decoder layers {missing} are not served by the expert runtime"
@@ -97,7 +100,7 @@ class LeanDraftStep:
         # a layer's attention half in two native calls (no biases, q/k norms per head if any, no
         # clipping, no shared expert, which the native layer would leave out: other models keep
         # the op-by-op path)
-        plain = not self.arch.whole_qk_norm and self.arch.clip_qkv is None
+        plain = not self.arch.whole_qk_norm and self.arch.clip_qkv is None and self.arch.sparsemixer_eps is None
         plain = plain and all(w.shared is None for w in self.weights)
         self.native_layers = self.native_rows and plain and all(
             w.q_bias is None and w.k_bias is None and w.v_bias is None and w.o_bias is None

@@ -173,7 +173,7 @@ def test_no_recompilation_after_warm_up(checkpoint, draft):
 
 
 @pytest.mark.parametrize("arch, missing", [
-    ("phimoe", "sparsemixer"), ("deepseek_v2", "latent attention"),
+    ("deepseek_v2", "latent attention"),
     ("deepseek_v3", "latent attention"), ("gpt_oss", "sinks")])
 def test_unsupported_models_are_refused_saying_what_is_missing(arch, missing):
     model = random_model(arch, hidden=64, intermediate=64, layers=1)
@@ -230,17 +230,32 @@ def test_rope_whose_frequencies_are_fixed_at_load_compiles(rope, refused):
         assert "rope type 'dynamic'" in reason and "sequence length" in reason
 
 
+def longrope_phimoe(original: int, positions: int):
+    """A tiny PhiMoE with longrope RoPE (short factors 1.5, long 2.0) switching past ``original`` tokens."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.5] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": original, "short_mscale": 1.0, "long_mscale": 1.0}
+    return tiny_config("phimoe", rope_parameters=rope, max_position_embeddings=positions)
+
+
+def test_longrope_compiles_where_every_sequence_keeps_its_short_factors():
+    assert unsupported_reason(random_model(longrope_phimoe(4096, 8192))) is None  # the decoder holds 2048
+    reason = unsupported_reason(random_model(longrope_phimoe(1024, 4096)))
+    assert "rope type 'longrope'" in reason and "sequence length" in reason
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "qwen2_moe", "mixtral-yarn"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "qwen2_moe", "mixtral-yarn", "phimoe", "phimoe-longrope"])
 def test_other_layouts_compile_to_the_eager_tokens(arch, tmp_path):
     """Qwen3-MoE (per-head q/k norms), OLMoE (q/k norms over the whole projection; the lean draft
     step then attends op by op) and Qwen2-MoE (attention biases, a sigmoid-gated shared expert, no
     sliding window though its config holds one), a Mixtral with YaRN RoPE (frequencies and attention
-    scaling fixed at load): compiled ``resident`` and ``specter`` give eager
+    scaling fixed at load), PhiMoE (LayerNorms with biases, the sparsemixer router; drafting through
+    the compiled draft graph) and a PhiMoE with longrope within its short factors' range: compiled
+    ``resident`` and ``specter`` give eager
     ``resident``'s tokens, with no graph compiled after warm-up (each layout's graphs apart:
     ``specter.compile.layout_code``)."""
-    config = (tiny_config("mixtral", rope_parameters=YARN, head_dim=16) if arch == "mixtral-yarn"
-              else tiny_config(arch, hidden=64, intermediate=64, layers=2))
+    config = {"mixtral-yarn": lambda: tiny_config("mixtral", rope_parameters=YARN, head_dim=16),
+              "phimoe-longrope": lambda: longrope_phimoe(4096, 8192)}.get(arch, lambda: tiny_config(arch))()
     path = str(save_random_checkpoint(config, tmp_path / arch, seed=0))
     eager = specter.load(recipe(path, "resident", compile=False)).generate(PROMPTS).token_ids
     for engine_name in ("resident", "specter"):

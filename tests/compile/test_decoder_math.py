@@ -66,3 +66,14 @@ def test_a_compiled_graph_calls_it_with_a_dynamic_number_of_rows() -> None:
     for rows in (2, 3, 7):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(step(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.5])
+def test_the_sparsemixer_routes_as_phimoes_own(eps: float) -> None:
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer as phimoes
+
+    scores = torch.randn(64, 16, generator=torch.Generator().manual_seed(7))
+    weights, index = decoder_math.sparsemixer(scores, eps)
+    expected_weights, expected_index = phimoes(scores, jitter_eps=eps, training=False, top_k=2)
+    assert torch.equal(index, expected_index)
+    assert torch.equal(weights, expected_weights)
