@@ -50,6 +50,7 @@ Contract:
 - ``warm_up(max_verify_tokens, draft)`` compiles every graph on scratch inputs (touching no
   observer, cache or counter); ``stats``: its seconds, steps per path, fused-step misses, graphs
   compiled after warm-up (``late_graphs``, from dynamo's counters).
+- The traced step functions and their compilation: ``specter.compile.graphs`` (mixed in).
 - ``specter.compile.attach.compile_engine(engine)`` gives an engine its warmed-up decoder. On
   CUDA the fused graphs use CUDA graphs (inductor's ``triton.cudagraphs``; an H200, stop 38).
 """
@@ -62,16 +63,15 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from specter.compile.host_layer import LayerHost
 from specter.compile.decoder_math import (
-    DEFAULT_MAX_LEN, FUSED_MAX_TOKENS, after_experts, arch_of, attention_and_route, layer_tensors, layer_weights_of,
-    linear, longrope_switch, norm, rope_tables, unsupported_reason,
+    DEFAULT_MAX_LEN, FUSED_MAX_TOKENS, arch_of, layer_tensors, layer_weights_of, longrope_switch, unsupported_reason,
 )
-from specter.compile.layout_code import layout_key, per_layout
+from specter.compile.graphs import DecoderGraphs
+from specter.compile.layout_code import layout_key
 from specter.errors import SpecterError
 from specter.compile.parts import (
     CompiledDraftExperts, CompileStats, OwnExperts, PathChooser, SlotExperts, StaticKV, StepOutput, _mark_static,
@@ -81,7 +81,7 @@ DRAFT_KEY = 0  # the PathChooser's key for draft steps (target steps are keyed b
 HostExperts = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (row, x [T,H], index [T,k], weights [T,k])
 
 
-class CompiledDecoder:
+class CompiledDecoder(DecoderGraphs):
     def __init__(
         self,
         model: nn.Module,
@@ -148,21 +148,8 @@ class CompiledDecoder:
             else:
                 weights += [self.cache.slot_table, *self.cache.slots.values()]
             _mark_static(weights + self._keys + self._values + [self._kv_index])
-        # guards already pin every input's size and stride: the per-call re-checks cost ~5% of a decode step
-        options = {"size_asserts": False, "alignment_asserts": False}
-        # cpp_wrapper (measured on CPU, bundled model): draft step 15% and decode step 12% faster,
-        # about 10 s more compile per fused graph; off by default to keep warm-up short
-        fused_options = options | {"triton.cudagraphs": self.cuda_graphs, "cpp_wrapper": cpp_wrapper}
-        fused = dict(fullgraph=True, dynamic=False, options=fused_options)
-        shaped = [*dense, *self.expert_modules[0].parameters()]
-        key = layout_key(self.arch, self.dtype, self.device, shaped, experts)  # graphs and limits per layout
-        self._target_step = torch.compile(per_layout(self._target_graph, key), **fused)
-        self._draft_step = torch.compile(per_layout(self._draft_graph, key), **fused)
-        pieces = dict(fullgraph=True, dynamic=False, options=options)  # the host runs between pieces
-        self._embed_piece = torch.compile(per_layout(self._embed_graph, key), **pieces)
-        self._layer_piece = torch.compile(per_layout(attention_and_route, key), **pieces)
-        self._after_piece = torch.compile(per_layout(after_experts, key), **pieces)  # a layer with a shared expert
-        self._head_piece = torch.compile(per_layout(self._head_graph, key), **pieces)
+        key = layout_key(self.arch, self.dtype, self.device, [*dense, *self.expert_modules[0].parameters()], experts)
+        self._compile_graphs(key, cpp_wrapper)  # graphs and recompile limits per layout
 
     # ----- public --------------------------------------------------------------------------------
 
@@ -368,43 +355,3 @@ class CompiledDecoder:
     @staticmethod
     def _zero_experts(row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         return torch.zeros_like(x)
-
-    # ----- the compiled graphs ---------------------------------------------------------------------
-
-    def _embed_graph(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        h = F.embedding(tokens, self.embed)  # [T, H]
-        cos, sin = rope_tables(self.inv_freq, positions, self.arch.rope_scaling, h.dtype)
-        return h, cos, sin
-
-    def _head_graph(self, h: Tensor) -> Tensor:
-        normed = norm(self.arch, h, self.final_norm, self.final_norm_bias)
-        return linear(normed, self.lm_head, self.lm_head_bias, self.arch.row_kernel).float()  # [T, V]
-
-    def _fused(self, experts, tokens: Tensor, positions: Tensor, kv_index: Tensor,
-               keys: list[Tensor], values: list[Tensor]) -> StepOutput:
-        h, cos, sin = self._embed_graph(tokens, positions)
-        indices, weights, inputs, missing = [], [], [], []
-        for row, w in enumerate(self.layers):
-            h, x, top_k_weights, top_k_index = attention_and_route(
-                self.arch, w, keys[row], values[row], h, cos, sin, positions, kv_index)
-            y, miss = experts(row, x, top_k_index, top_k_weights)
-            h = after_experts(self.arch, w, h, x, y)
-            indices.append(top_k_index)
-            weights.append(top_k_weights)
-            inputs.append(x)
-            if miss is not None:
-                missing.append(miss)
-        return StepOutput(
-            logits=self._head_graph(h),
-            top_k_index=torch.stack(indices),
-            top_k_weights=torch.stack(weights),
-            expert_inputs=torch.stack(inputs),
-            missing=torch.stack(missing).any() if missing else None,
-        )
-
-    def _target_graph(self, tokens, positions, kv_index, keys, values) -> StepOutput:
-        return self._fused(self.target_experts, tokens, positions, kv_index, keys, values)
-
-    def _draft_graph(self, tokens, positions, kv_index, keys, values) -> StepOutput:
-        return self._fused(self._draft_experts, tokens, positions, kv_index, keys, values)
-
