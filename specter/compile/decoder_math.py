@@ -293,20 +293,24 @@ def queries_keys_values(
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
-def split_heads(arch: Arch, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def split_heads(arch: Arch, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor,
+                rms: Callable[[Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The projections ``[T, n * d]`` -> q [T, nH, d], k and v [T, nKV, d], q and k normed as the
     model norms them (over the whole projection before the split, or per head after it) and q, k
-    and v clipped where the model clips (after the norms, before the split: OLMoE's order)."""
+    and v clipped where the model clips (after the norms, before the split: OLMoE's order).
+    ``rms(x, weight)``: the RMS norm to use (default: ``rms_norm`` with the model's eps)."""
+    if rms is None:
+        rms = lambda x, weight: rms_norm(x, weight, arch.eps)  # noqa: E731
     num_tokens = q.shape[0]
     if w.q_norm is not None and arch.whole_qk_norm:
-        q, k = rms_norm(q, w.q_norm, arch.eps), rms_norm(k, w.k_norm, arch.eps)
+        q, k = rms(q, w.q_norm), rms(k, w.k_norm)
     if arch.clip_qkv is not None:
         q, k, v = (t.clamp(-arch.clip_qkv, arch.clip_qkv) for t in (q, k, v))
     q = q.view(num_tokens, arch.n_heads, arch.head_dim)
     k = k.view(num_tokens, arch.n_kv_heads, arch.head_dim)
     v = v.view(num_tokens, arch.n_kv_heads, arch.head_dim)
     if w.q_norm is not None and not arch.whole_qk_norm:
-        q, k = rms_norm(q, w.q_norm, arch.eps), rms_norm(k, w.k_norm, arch.eps)
+        q, k = rms(q, w.q_norm), rms(k, w.k_norm)
     return q, k, v
 
 

@@ -5,20 +5,20 @@ Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step wher
 compiled one on a CPU (native kernels serving; ``specter.compile.attach``), with no compiled draft
 graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models
 whose decoder ``specter.compile.decoder_math`` writes with RMSNorms (Mixtral, Qwen3-MoE, OLMoE,
-Qwen2-MoE without dense layers; not PhiMoE's LayerNorms) and no sliding window, every decoder
-layer served by ``runtime``; otherwise None, and ``unsupported_reason(model, runtime)`` says why. ``step(token, kv)`` runs one token id through
-every layer, appends its K/V to ``kv`` at the positions the model's own forward would (a
-transformers cache, or the compiled decoder's ``StaticKV``, written in place, its length
-advanced), computes the routed experts through ``runtime.forward`` (in draft mode: the INT4
-experts) or inside the layer's one native call (``fused_layers``, below), the observers seeing
-each layer's (layer, expert input, top_k_index, top_k_weights, mode) as from the model's forward,
-and returns fp32 logits [V] (``logits=False``: None, without the LM head or the last layer's
-experts, whose routing the observers still see, for the routing-only step). ``step(token, kv,
-ahead=i)`` (the engines' rounds: i = 0, 1, ...) leaves a transformers cache as it was and holds
-the round's K/V beside it, where the native layer half serves (below); a cache's ``update`` copies
-the whole cache a layer a step (widened model, 50% on ``local``, k = 8, eight runs each way
-toggled in one process: draft step 2.71 against 2.80 ms, 119.6 against 118.4 tok/s; the copy grows
-with the context).
+Qwen2-MoE without dense layers; not PhiMoE's LayerNorms) and no sliding window, every decoder layer
+served by ``runtime``; otherwise None, and ``unsupported_reason(model, runtime)`` says why.
+``step(token, kv)`` runs one token id through every layer, appends its K/V to ``kv`` at the
+positions the model's own forward would (a transformers cache, or the compiled decoder's
+``StaticKV``, written in place, its length advanced), computes the routed experts through
+``runtime.forward`` (in draft mode: the INT4 experts) or inside the layer's one native call
+(``fused_layers``, below), the observers seeing each layer's (layer, expert input, top_k_index,
+top_k_weights, mode) as from the model's forward, and returns fp32 logits [V] (``logits=False``:
+None, without the LM head or the last layer's experts, whose routing the observers still see, for
+the routing-only step). ``step(token, kv, ahead=i)`` (the engines' rounds: i = 0, 1, ...) leaves a
+transformers cache as it was and holds the round's K/V beside it, where the native layer half serves
+(below); a cache's ``update`` copies the whole cache a layer a step (widened model, 50% on
+``local``, k = 8, eight runs each way toggled in one process: draft step 2.71 against 2.80 ms, 119.6
+against 118.4 tok/s; the copy grows with the context).
 
 Why: a draft step through transformers' modules spends most of its non-expert time dispatching
 modules, building masks and position ids for one token; this step does only the tensor math. On the
@@ -159,14 +159,7 @@ class LeanDraftStep:
         rotated."""
         arch = self.arch
         _, (q, k, v) = self._norm_project(h, w.input_norm, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias])
-        if arch.whole_qk_norm or arch.clip_qkv is not None:
-            q, k, v = split_heads(arch, w, q, k, v)
-        else:
-            q = q.view(1, arch.n_heads, arch.head_dim)
-            k = k.view(1, arch.n_kv_heads, arch.head_dim)
-            v = v.view(1, arch.n_kv_heads, arch.head_dim)
-            if w.q_norm is not None:
-                q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
+        q, k, v = split_heads(arch, w, q, k, v, self._norm)
         half = arch.head_dim // 2
         q = torch.addcmul(q * cos, q.roll(half, -1), signed_sin)
         k = torch.addcmul(k * cos, k.roll(half, -1), signed_sin)
