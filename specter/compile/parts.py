@@ -75,7 +75,7 @@ class SlotExperts:
         self.down = cache.slots["down_proj"]  # [n_slots, H, I]
         self.apply_gate = module._apply_gate
         self.kernel = _pairs_kernel(self.gate_up.new_zeros(1, self.gate_up.shape[-1]), self.gate_up, self.down,
-                                    bool(getattr(cache.store, "blocked", False)))
+                                    cache.store.blocked)
         self.host_handle = host.handle if host is not None else None
         self.host_computes = host is not None and host.computes
 

@@ -348,7 +348,7 @@ class OffloadedEngine(Engine):
                 "fraction": self.cache.fraction_held,
             },
             "device_bytes": {"draft": None, "cache": self.cache.bytes, "dense": dense, "total": dense + self.cache.bytes},
-            "expert_layout": "blocked" if getattr(self.cache.store, "blocked", False) else "standard",
+            "expert_layout": "blocked" if self.cache.store.blocked else "standard",
             "hit_rate": stats.hit_rate(),
             "bytes_transferred": stats.bytes_transferred + self.prefill_stats.bytes_transferred,
             "decode_bytes_transferred": stats.bytes_transferred,

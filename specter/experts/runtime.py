@@ -142,7 +142,7 @@ class ExpertRuntime:
         self.draft = draft or {}
         self.mode = "target"
         self.observers: list[RoutingObserver] = []
-        blocked = bool(getattr(cache.store, "blocked", False)) if cache is not None else False
+        blocked = cache.store.blocked if cache is not None else False
         self._views = {m.layer: SlotView(m.experts, cache.slots, blocked) for m in layers} if cache is not None else {}
         self._silu_glu = {m.layer: is_silu_glu(m.experts) for m in layers}  # waves through PairsByExpert
         self.waves = True  # see _compute_in_waves; False: one wait for all of a layer's experts
