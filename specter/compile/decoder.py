@@ -1,9 +1,9 @@
 """Compile-native decoding: the model's step functions as plain functions compiled once.
 
 Contract:
-- ``unsupported_reason(model) -> str | None`` (``specter.compile.decoder_math``, the model math
-  the graphs trace; its contract lists the layer shapes it writes: Mixtral, Qwen3-MoE, OLMoE,
-  Qwen2-MoE and PhiMoE without dense layers): why a model cannot be compiled here (None: it can).
+- ``unsupported_reason(model) -> str | None`` (``specter.compile.model_weights``, what the graphs'
+  model math, ``specter.compile.decoder_math``, reads; its contract lists the layer shapes it covers: Mixtral, Qwen3-MoE, OLMoE,
+  Qwen2-MoE, PhiMoE and DeepSeek-V2/V3): why a model cannot be compiled here (None: it can).
 - ``CompiledDecoder(model, experts="resident" | "cache", runtime=None, layered=False)``: the
   model's forward written against its weights (not through transformers' modules), experts from
   the layers' own stacked tensors (``resident``) or from an ``ExpertRuntime``'s device cache and,
@@ -67,8 +67,9 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from specter.compile.host_layer import LayerHost
-from specter.compile.decoder_math import (
-    DEFAULT_MAX_LEN, FUSED_MAX_TOKENS, arch_of, layer_tensors, layer_weights_of, longrope_switch, unsupported_reason,
+from specter.compile.decoder_math import FUSED_MAX_TOKENS
+from specter.compile.model_weights import (
+    DEFAULT_MAX_LEN, arch_of, layer_tensors, layer_weights_of, longrope_switch, unsupported_reason,
 )
 from specter.compile.graphs import DecoderGraphs
 from specter.compile.layout_code import layout_key
@@ -78,7 +79,7 @@ from specter.compile.parts import (
 )
 
 DRAFT_KEY = 0  # the PathChooser's key for draft steps (target steps are keyed by their width >= 1)
-HostExperts = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (row, x [T,H], index [T,k], weights [T,k])
+HostExperts = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (layer, x [T,H], index [T,k], weights [T,k])
 
 
 class CompiledDecoder(DecoderGraphs):
@@ -112,16 +113,19 @@ class CompiledDecoder(DecoderGraphs):
         self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias  # [V, H], [V] or None
         self.inv_freq = decoder.rotary_emb.inv_freq
         self.layers = [layer_weights_of(layer) for layer in decoder.layers]
-        self.expert_modules = [layer.mlp.experts for layer in decoder.layers]
-        # every decoder layer is an MoE layer (unsupported_reason), so layer index == cache row
+        # the MoE layers' experts by decoder layer (DeepSeek's first layers are dense)
+        self.expert_modules = {i: layer.mlp.experts for i, layer in enumerate(decoder.layers) if hasattr(layer.mlp, "experts")}
+        first_experts = next(iter(self.expert_modules.values()))
         positions_limit = getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LEN)
         self.max_len = max_len or min(positions_limit, DEFAULT_MAX_LEN)
         if decoder.rotary_emb.rope_type == "longrope" and self.max_len > longrope_switch(model):
             raise SpecterError(f"compile: longrope switches its frequencies past {longrope_switch(model)} tokens")
         self.span_step = span_step if span_step is not None or self.device.type == "cuda" else 64
-        shape = (1, self.arch.n_kv_heads, self.max_len, self.arch.head_dim)
-        self._keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self._values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        shape = (1, self.arch.n_kv_heads, self.max_len)
+        self._keys = [torch.zeros(*shape, self.arch.head_dim, dtype=self.dtype, device=self.device)
+                      for _ in self.layers]
+        self._values = [torch.zeros(*shape, self.arch.value_dim, dtype=self.dtype, device=self.device)
+                        for _ in self.layers]
         self._kv_index = torch.arange(self.max_len, device=self.device)
 
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -133,7 +137,7 @@ class CompiledDecoder(DecoderGraphs):
             self.target_experts = OwnExperts(self.expert_modules)
             self.host_experts: HostExperts = self._host_resident_experts
         else:
-            self.target_experts = SlotExperts(self.cache, self.expert_modules[0], host=self.layer_host)
+            self.target_experts = SlotExperts(self.cache, first_experts, host=self.layer_host)
             self.host_experts = self._host_cache_experts
         self._draft_experts: CompiledDraftExperts | None = None
         self.lean_step = None  # the eager lean draft step (attach.compile_engine): then it runs every draft step
@@ -144,11 +148,11 @@ class CompiledDecoder(DecoderGraphs):
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
             weights = list(dense)
             if self.cache is None:
-                weights += [t for m in self.expert_modules for t in (m.gate_up_proj, m.down_proj)]
+                weights += [t for m in self.expert_modules.values() for t in (m.gate_up_proj, m.down_proj)]
             else:
                 weights += [self.cache.slot_table, *self.cache.slots.values()]
             _mark_static(weights + self._keys + self._values + [self._kv_index])
-        key = layout_key(self.arch, self.dtype, self.device, [*dense, *self.expert_modules[0].parameters()], experts)
+        key = layout_key(self.arch, self.dtype, self.device, [*dense, *first_experts.parameters()], experts)
         self._compile_graphs(key, cpp_wrapper)  # graphs and recompile limits per layout
 
     # ----- public --------------------------------------------------------------------------------
@@ -171,10 +175,10 @@ class CompiledDecoder(DecoderGraphs):
 
     def set_draft(self, draft: dict[int, object]) -> None:
         """The INT4 draft experts by decoder layer (the speculative engine's)."""
-        self._draft_experts = CompiledDraftExperts([draft[layer] for layer in range(len(self.layers))],
+        self._draft_experts = CompiledDraftExperts({layer: draft[layer] for layer in self.expert_modules},
                                                    host=self.layer_host)
         if self.device.type == "cuda":
-            _mark_static(t for d in self._draft_experts.draft
+            _mark_static(t for d in self._draft_experts.draft.values()
                          for t in (d.up_packed, d.up_scales, d.down_packed, d.down_scales))
 
     def begin_draft_round(self) -> None:
@@ -266,7 +270,7 @@ class CompiledDecoder(DecoderGraphs):
         def fused() -> Tensor:
             if self.layer_host is None:
                 out = self._call_fused(self._draft_step, *graph_inputs(), kv)
-                out.replay(self.runtime, self.cache, "draft")
+                out.replay(self.runtime, self.cache, "draft", list(self.expert_modules))
             else:  # the graph tells the host each layer's routing as it runs
                 with self.layer_host.live():
                     out = self._call_fused(self._draft_step, *graph_inputs(), kv)
@@ -315,7 +319,7 @@ class CompiledDecoder(DecoderGraphs):
             return self._run_layered(tokens, positions, kv_index, kv)
         self.stats.fused_steps += 1
         if not self.host_layers:  # with host layers the observers and the cache saw each layer live
-            out.replay(self.runtime, self.cache, "target")
+            out.replay(self.runtime, self.cache, "target", list(self.expert_modules))
         return out.logits
 
     def _run_layered(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:
@@ -329,12 +333,17 @@ class CompiledDecoder(DecoderGraphs):
         mark(tokens, 0)
         mark(positions, 0)
         h, cos, sin = self._embed_piece(tokens, positions)
-        for row, w in enumerate(self.layers):
+        for layer, w in enumerate(self.layers):
             for tensor in (h, cos, sin):
                 mark(tensor, 0)
             h, x, top_k_weights, top_k_index = self._layer_piece(
-                self.arch, w, kv.keys[row], kv.values[row], h, cos, sin, positions, kv_index)
-            y = host(row, x, top_k_index, top_k_weights)
+                self.arch, w, kv.keys[layer], kv.values[layer], h, cos, sin, positions, kv_index)
+            if w.dense is not None:  # a dense layer's MLP, dynamic in T as the layer's graph
+                for tensor in (h, x):
+                    mark(tensor, 0)
+                h = self._dense_piece(self.arch, w, h, x)
+                continue
+            y = host(layer, x, top_k_index, top_k_weights)
             if w.shared is None:
                 h = h + y
             else:  # the shared expert's graph, dynamic in T as the layer's
@@ -346,12 +355,12 @@ class CompiledDecoder(DecoderGraphs):
 
     # ----- host experts of the layered path --------------------------------------------------------
 
-    def _host_resident_experts(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return self.expert_modules[row](x, top_k_index, top_k_weights)
+    def _host_resident_experts(self, layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return self.expert_modules[layer](x, top_k_index, top_k_weights)
 
-    def _host_cache_experts(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return self.runtime.forward(row, self.expert_modules[row], x, top_k_index, top_k_weights)
+    def _host_cache_experts(self, layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return self.runtime.forward(layer, self.expert_modules[layer], x, top_k_index, top_k_weights)
 
     @staticmethod
-    def _zero_experts(row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    def _zero_experts(layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         return torch.zeros_like(x)

@@ -1,203 +1,26 @@
 """The model math of the compiled decoder: plain functions over a decoder layer's weights, written
 so that dynamo traces them whole (no data-dependent Python) and inductor fuses them.
 
-Contract: ``unsupported_reason(model)`` says why a model's layers are not of the supported shape and
-what in them is missing here (None when they are: llama-style attention with optional biases, q/k
-RMSNorm per head or over the whole projection, optional q/k/v clipping, RoPE whose frequencies are
-fixed at load (default, linear, llama3, YaRN; longrope where the decoder's positions stay within its
-short factors) and sliding window, RMSNorms or LayerNorms with biases, then gated [out, in] routed
-experts without bias behind a softmax top-k router or PhiMoE's sparsemixer, optionally beside a
-SiLU-gated shared expert scaled by a sigmoid gate; Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and PhiMoE
-without dense layers). ``arch_of(model)`` and ``layer_weights_of(layer)`` read the constants and
-tensors the functions need; ``attention_and_route`` runs one decoder layer up to its experts,
-``after_experts`` adds their output (and the shared expert's) to the residual. Shapes are given as
-``# [T, H]`` comments (T tokens of this step).
+Contract: the functions read ``Arch`` and ``LayerWeights`` (``specter.compile.model_weights``,
+which says which layouts they cover); ``attention_and_route`` runs one decoder layer up to its
+experts (DeepSeek's latent attention and grouped routers through ``specter.compile.deepseek_math``),
+``after_experts`` adds their output (and the shared expert's) to the residual, ``dense_layer`` is a
+dense layer's MLP. Shapes are given as ``# [T, H]`` comments (T tokens of this step).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
+from specter.compile.deepseek_math import grouped_select, latent_queries_keys_values
+from specter.compile.model_weights import Arch, GatedMLP, LayerWeights
 from specter.kernels import native_rows
 
 FUSED_MAX_TOKENS = 17  # widest fused step (16 drafts + 1; wider rounds run layered); the row kernel's widest input
-
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe")
-# RoPE variants whose frequencies and attention scaling transformers computes once, at load
-# (``dynamic`` and ``longrope`` recompute them from the sequence length in every forward)
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-DEFAULT_MAX_LEN = 2048  # the compiled decoder's longest sequence unless given (at most the model's positions)
-# what the compiled decoder's math lacks for each layout Specter runs eagerly
-MISSING_FOR_MODEL_TYPE = {
-    "deepseek_v2": "its attention is multi-head latent attention (compressed, partly rotated keys and values) "
-                   "and its router picks within expert groups; the compiled math has llama-style attention and a "
-                   "plain softmax top-k router",
-    "deepseek_v3": "its attention is multi-head latent attention (compressed, partly rotated keys and values) "
-                   "and its router is a biased sigmoid over expert groups; the compiled math has llama-style "
-                   "attention and a plain softmax top-k router",
-    "gpt_oss": "its attention has sinks and its experts have biases, interleaved gate/up columns and a clamped "
-               "activation; the compiled math has plain attention and gated experts without bias",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Arch:
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    eps: float
-    scaling: float
-    rope_scaling: float
-    sliding_window: int | None
-    top_k: int
-    renormalize: bool  # top-k weights divided by their sum
-    float_scores: bool  # Mixtral keeps router weights in float32; Qwen3-MoE casts to the logits' dtype
-    row_kernel: bool = False  # the native row kernels serve the dense projections and norms (``linear``)
-    layer_norm: bool = False  # LayerNorms with biases instead of RMSNorms (PhiMoE)
-    sparsemixer_eps: float | None = None  # PhiMoE's router: two experts, each from a masked softmax
-    whole_qk_norm: bool = False  # q/k RMSNorm over the whole projection before the heads split (OLMoE)
-    clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE's option)
-
-
-@dataclasses.dataclass
-class SharedExpert:
-    """A shared expert beside the routed ones (Qwen2-MoE): ``sigmoid(x @ scale.T) * down(silu(gate(x))
-    * up(x))``, every weight [out, in]."""
-    gate: Tensor
-    up: Tensor
-    down: Tensor
-    scale: Tensor  # [1, H]
-
-
-@dataclasses.dataclass
-class LayerWeights:
-    input_norm: Tensor
-    post_norm: Tensor
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    o: Tensor
-    q_bias: Tensor | None
-    k_bias: Tensor | None
-    v_bias: Tensor | None
-    o_bias: Tensor | None
-    q_norm: Tensor | None
-    k_norm: Tensor | None
-    router: Tensor  # [E, H]
-    shared: SharedExpert | None = None
-    input_norm_bias: Tensor | None = None  # LayerNorm models
-    post_norm_bias: Tensor | None = None
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        missing = MISSING_FOR_MODEL_TYPE.get(config.model_type, "its layers were never written here")
-        return f"model type {config.model_type!r}: {missing} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
-    longest = min(getattr(config, "max_position_embeddings", DEFAULT_MAX_LEN), DEFAULT_MAX_LEN)
-    if rope_type == "longrope" and longest <= longrope_switch(model):
-        rope_type = "default"  # its short factors, fixed at load, serve every sequence up to there
-    if rope_type not in STATIC_ROPE_TYPES:
-        return (f"rope type {rope_type!r}: its frequencies change with the sequence length, the compiled math "
-                f"reads them once (supported: {', '.join(STATIC_ROPE_TYPES)})")
-    for index, layer in enumerate(model.model.layers):
-        mlp = getattr(layer, "mlp", None)
-        experts = getattr(mlp, "experts", None)
-        if experts is None or _router_of(mlp) is None:
-            return f"decoder layer {index} has no routed experts (dense layers are not supported)"
-        if not experts.has_gate or experts.is_transposed or experts.has_bias:
-            return f"decoder layer {index}: only gated [out, in] experts without bias are supported"
-        if getattr(experts, "has_post_expert_norm", False):
-            return f"decoder layer {index}: post-expert norm is not supported"
-        shared = getattr(mlp, "shared_expert", None)
-        if shared is not None and (getattr(config, "hidden_act", None) != "silu"
-                                   or not hasattr(mlp, "shared_expert_gate")):
-            return f"decoder layer {index}: a shared expert other than a SiLU-gated one behind a sigmoid gate"
-    if getattr(config, "use_sliding_window", False) and config.model_type == "qwen2_moe":
-        return "sliding attention in some layers only (use_sliding_window)"
-    return None
-
-
-def arch_of(model: nn.Module) -> Arch:
-    config = model.config
-    attention = model.model.layers[0].self_attn
-    router = _router_of(model.model.layers[0].mlp)
-    return Arch(
-        n_heads=config.num_attention_heads,
-        n_kv_heads=config.num_key_value_heads,
-        head_dim=attention.head_dim,
-        eps=config.rms_norm_eps,
-        scaling=attention.scaling,
-        rope_scaling=float(model.model.rotary_emb.attention_scaling),
-        sliding_window=getattr(config, "sliding_window", None) or None,  # Qwen2-MoE writes 0 for none
-        top_k=router.top_k,
-        renormalize=bool(getattr(router, "norm_topk_prob", True)),
-        float_scores=config.model_type == "mixtral",
-        row_kernel=_row_kernel_serves(model),
-        layer_norm=isinstance(model.model.norm, nn.LayerNorm),
-        sparsemixer_eps=config.router_jitter_noise if config.model_type == "phimoe" else None,
-        whole_qk_norm=config.model_type == "olmoe",
-        clip_qkv=getattr(config, "clip_qkv", None),
-    )
-
-
-def _row_kernel_serves(model: nn.Module) -> bool:
-    """Whether the native row kernels serve every dense projection and norm weight of the model
-    (``native_rows.serves``): the compiled graphs' ``linear`` and the lean draft step read this."""
-    weights = [layer_weights_of(layer) for layer in model.model.layers]
-    dense = [t for w in weights for t in (w.q, w.k, w.v, w.o, w.router, w.input_norm, w.post_norm)]
-    return native_rows.serves(model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight, *dense)
-
-
-def layer_weights_of(layer: nn.Module) -> LayerWeights:
-    attention = layer.self_attn
-    q_norm = getattr(attention, "q_norm", None)
-    k_norm = getattr(attention, "k_norm", None)
-    return LayerWeights(
-        input_norm=layer.input_layernorm.weight,
-        post_norm=layer.post_attention_layernorm.weight,
-        q=attention.q_proj.weight, k=attention.k_proj.weight,
-        v=attention.v_proj.weight, o=attention.o_proj.weight,
-        q_bias=attention.q_proj.bias, k_bias=attention.k_proj.bias,
-        v_bias=attention.v_proj.bias, o_bias=attention.o_proj.bias,
-        q_norm=q_norm.weight if q_norm is not None else None,
-        k_norm=k_norm.weight if k_norm is not None else None,
-        router=_router_of(layer.mlp).weight,
-        shared=_shared_expert_of(layer.mlp),
-        input_norm_bias=getattr(layer.input_layernorm, "bias", None),
-        post_norm_bias=getattr(layer.post_attention_layernorm, "bias", None),
-    )
-
-
-def longrope_switch(model: nn.Module) -> int:
-    """Past how many tokens a ``longrope`` model's frequencies switch to their long factors (0: not said)."""
-    parameters = getattr(model.config, "rope_parameters", None) or {}
-    return int(parameters.get("original_max_position_embeddings") or 0)
-
-
-def _router_of(mlp: nn.Module) -> nn.Module | None:
-    return getattr(mlp, "gate", None) or getattr(mlp, "router", None)  # PhiMoE names it router
-
-
-def layer_tensors(w: LayerWeights) -> list[Tensor | None]:
-    """Every tensor field of ``w`` (None where the layer has none), the shared expert's included."""
-    tensors = [getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "shared"]
-    shared = [getattr(w.shared, f.name) for f in dataclasses.fields(SharedExpert)] if w.shared is not None else []
-    return tensors + shared
-
-
-def _shared_expert_of(mlp: nn.Module) -> SharedExpert | None:
-    shared = getattr(mlp, "shared_expert", None)
-    if shared is None:
-        return None
-    return SharedExpert(gate=shared.gate_proj.weight, up=shared.up_proj.weight, down=shared.down_proj.weight,
-                        scale=mlp.shared_expert_gate.weight)
 
 
 # ----- the model's math: plain functions, traced by dynamo ---------------------------------------
@@ -250,7 +73,11 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def route(arch: Arch, router: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+def route(arch: Arch, router: Tensor, x: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(top_k_weights [T, k], top_k_index [T, k]) of ``x [T, H]``; ``bias``: DeepSeek-V3's score correction."""
+    if arch.groups is not None:  # DeepSeek's routers score in float32
+        logits = linear(x.float(), router.float(), row_kernel=arch.row_kernel)
+        return grouped_select(arch.groups, arch.top_k, logits, bias)
     return select_experts(arch, linear(x, router, row_kernel=arch.row_kernel))
 
 
@@ -319,9 +146,15 @@ def attention_and_route(
     positions: Tensor, kv_index: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One decoder layer up to its experts: (h after attention [T, H], expert input [T, H],
-    top_k_weights [T, k], top_k_index [T, k]); writes the layer's K/V at ``positions``."""
+    top_k_weights [T, k], top_k_index [T, k]; both None in a dense layer); writes the layer's K/V
+    at ``positions``."""
     num_tokens = h.shape[0]
-    q, k, v = queries_keys_values(arch, w, norm(arch, h, w.input_norm, w.input_norm_bias), cos, sin)
+    normed = norm(arch, h, w.input_norm, w.input_norm_bias)
+    if arch.latent is not None:
+        project = lambda rows, weight, bias: linear(rows, weight, bias, arch.row_kernel)  # noqa: E731
+        q, k, v = latent_queries_keys_values(arch.latent, arch.n_heads, w.latent, normed, cos, sin, project, rotate)
+    else:
+        q, k, v = queries_keys_values(arch, w, normed, cos, sin)
     keys[:, :, positions] = k.transpose(0, 1)[None]  # [1, nKV, T, d] into [1, nKV, L, d], in place
     values[:, :, positions] = v.transpose(0, 1)[None]
     span = kv_index.shape[0]
@@ -334,19 +167,31 @@ def attention_and_route(
     )  # [1, nH, T, d]
     h = h + linear(attended[0].transpose(0, 1).reshape(num_tokens, -1), w.o, w.o_bias, arch.row_kernel)  # [T, H]
     x = norm(arch, h, w.post_norm, w.post_norm_bias)  # [T, H]
-    top_k_weights, top_k_index = route(arch, w.router, x)
+    if w.router is None:
+        return h, x, None, None
+    top_k_weights, top_k_index = route(arch, w.router, x, w.router_bias)
     return h, x, top_k_weights, top_k_index
 
 
 def after_experts(arch: Arch, w: LayerWeights, h: Tensor, x: Tensor, routed: Tensor,
                   project: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
     """The residual ``h [T, H]`` after a layer's experts: ``h + routed``, or with a shared expert
-    ``h + (routed + sigmoid(x @ scale.T) * shared(x))`` (the model's order). ``project(x, weight)``
-    computes ``x @ weight.T`` (default: ``linear``)."""
+    ``h + (routed + shared(x))``, the shared expert scaled by ``sigmoid(x @ scale.T)`` where it has
+    a scale (the models' order). ``project(x, weight)`` computes ``x @ weight.T`` (default: ``linear``)."""
     if w.shared is None:
         return h + routed
     if project is None:
         project = lambda rows, weight: linear(rows, weight, None, arch.row_kernel)  # noqa: E731
-    s = w.shared
-    shared = project(F.silu(project(x, s.gate)) * project(x, s.up), s.down)  # [T, H]
-    return h + (routed + torch.sigmoid(project(x, s.scale)) * shared)
+    shared = gated_mlp(w.shared, x, project)  # [T, H]
+    if w.shared.scale is not None:
+        shared = torch.sigmoid(project(x, w.shared.scale)) * shared
+    return h + (routed + shared)
+
+
+def dense_layer(arch: Arch, w: LayerWeights, h: Tensor, x: Tensor) -> Tensor:
+    """The residual ``h [T, H]`` after a dense layer's MLP on its normed input ``x``."""
+    return h + gated_mlp(w.dense, x, lambda rows, weight: linear(rows, weight, None, arch.row_kernel))
+
+
+def gated_mlp(mlp: GatedMLP, x: Tensor, project: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    return project(F.silu(project(x, mlp.gate)) * project(x, mlp.up), mlp.down)

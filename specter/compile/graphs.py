@@ -1,17 +1,18 @@
 """The compiled decoder's traced step functions, and their compilation.
 
 Contract: ``DecoderGraphs`` is mixed into ``specter.compile.decoder.CompiledDecoder``, whose
-constructor sets what the functions read: ``arch`` (``decoder_math.Arch``), ``embed``,
+constructor sets what the functions read: ``arch`` (``model_weights.Arch``), ``embed``,
 ``inv_freq``, ``final_norm`` / ``final_norm_bias``, ``lm_head`` / ``lm_head_bias``, ``layers``
-(``decoder_math.LayerWeights``), ``cuda_graphs``, ``target_experts`` and, once a draft is set,
-``_draft_experts`` (both ``(row, x, top_k_index, top_k_weights) -> (y, missing or None)``).
+(``model_weights.LayerWeights``), ``cuda_graphs``, ``target_experts`` and, once a draft is set,
+``_draft_experts`` (both ``(layer, x, top_k_index, top_k_weights) -> (y, missing or None)``).
 - ``_compile_graphs(key, cpp_wrapper)``: sets the compiled functions, each on its own copy of the
   code for the layout ``key`` (``specter.compile.layout_code``): ``_target_step`` /
   ``_draft_step`` (a whole step, fused: ``(tokens, positions, kv_index, keys, values) ->
   StepOutput``, CUDA graphs where ``cuda_graphs``), and the layered path's pieces
   ``_embed_piece`` (``(tokens, positions) -> (h, cos, sin)``), ``_layer_piece``
   (``decoder_math.attention_and_route``), ``_after_piece`` (``decoder_math.after_experts``, for
-  a layer with a shared expert) and ``_head_piece`` (``h -> float32 logits [T, V]``).
+  a layer with a shared expert), ``_dense_piece`` (``decoder_math.dense_layer``, a dense layer's
+  MLP) and ``_head_piece`` (``h -> float32 logits [T, V]``).
 - The functions are the model's forward over its weights (``decoder_math``), written so that
   dynamo traces each whole (``fullgraph=True``).
 """
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specter.compile.decoder_math import after_experts, attention_and_route, linear, norm, rope_tables
+from specter.compile.decoder_math import after_experts, attention_and_route, dense_layer, linear, norm, rope_tables
 from specter.compile.layout_code import per_layout
 from specter.compile.parts import StepOutput
 
@@ -41,6 +42,7 @@ class DecoderGraphs:
         self._embed_piece = torch.compile(per_layout(self._embed_graph, key), **pieces)
         self._layer_piece = torch.compile(per_layout(attention_and_route, key), **pieces)
         self._after_piece = torch.compile(per_layout(after_experts, key), **pieces)  # a layer with a shared expert
+        self._dense_piece = torch.compile(per_layout(dense_layer, key), **pieces)  # a dense layer's MLP
         self._head_piece = torch.compile(per_layout(self._head_graph, key), **pieces)
 
     def _embed_graph(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -56,10 +58,13 @@ class DecoderGraphs:
                keys: list[Tensor], values: list[Tensor]) -> StepOutput:
         h, cos, sin = self._embed_graph(tokens, positions)
         indices, weights, inputs, missing = [], [], [], []
-        for row, w in enumerate(self.layers):
+        for layer, w in enumerate(self.layers):
             h, x, top_k_weights, top_k_index = attention_and_route(
-                self.arch, w, keys[row], values[row], h, cos, sin, positions, kv_index)
-            y, miss = experts(row, x, top_k_index, top_k_weights)
+                self.arch, w, keys[layer], values[layer], h, cos, sin, positions, kv_index)
+            if w.dense is not None:
+                h = dense_layer(self.arch, w, h, x)
+                continue
+            y, miss = experts(layer, x, top_k_index, top_k_weights)
             h = after_experts(self.arch, w, h, x, y)
             indices.append(top_k_index)
             weights.append(top_k_weights)

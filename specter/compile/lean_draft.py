@@ -5,7 +5,8 @@ Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step wher
 compiled one on a CPU (native kernels serving; ``specter.compile.attach``), with no compiled draft
 graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models
 whose decoder ``specter.compile.decoder_math`` writes with RMSNorms (Mixtral, Qwen3-MoE, OLMoE,
-Qwen2-MoE without dense layers; not PhiMoE's LayerNorms) and no sliding window, every decoder layer
+Qwen2-MoE without dense layers; not PhiMoE's LayerNorms nor DeepSeek's latent attention) and no
+sliding window, every decoder layer
 served by ``runtime``; otherwise None, and ``unsupported_reason(model, runtime)`` says why.
 ``step(token, kv)`` runs one token id through every layer, appends its K/V to ``kv`` at the
 positions the model's own forward would (a transformers cache, or the compiled decoder's
@@ -59,10 +60,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specter.compile.parts import StaticKV
-from specter.compile.decoder_math import (
-    after_experts, arch_of, layer_weights_of, rms_norm, rope_tables, select_experts, split_heads,
-    unsupported_reason as decoder_unsupported,
-)
+from specter.compile.decoder_math import after_experts, rms_norm, rope_tables, select_experts, split_heads
+from specter.compile.model_weights import arch_of, layer_weights_of, unsupported_reason as decoder_unsupported
 from specter.kernels import native_rows
 
 NATIVE_MIN_ROWS = 64  # ``project``: narrower weights are faster through F.linear
@@ -78,6 +77,8 @@ def unsupported_reason(model: nn.Module, runtime) -> str | None:
         return "a sliding attention window"
     if arch.layer_norm:
         return "LayerNorms (the lean step norms by RMS)"
+    if arch.latent is not None or arch.groups is not None:
+        return "latent attention and grouped routers (the lean step attends and routes as llama-style models do)"
     missing = [i for i in range(len(model.model.layers)) if i not in runtime.layers]
     if missing:
         return f"decoder layers {missing} are not served by the expert runtime"

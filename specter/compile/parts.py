@@ -51,15 +51,16 @@ class CompileStats:
 class OwnExperts:
     """The layers' own stacked experts (the resident engine)."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.gate_up = [m.gate_up_proj for m in modules]  # [E, 2I, H] each
-        self.down = [m.down_proj for m in modules]  # [E, H, I] each
-        self.apply_gate = modules[0]._apply_gate
-        probe = self.gate_up[0].new_zeros(1, self.gate_up[0].shape[-1])
-        self.kernel = _pairs_kernel(probe, self.gate_up[0], self.down[0], is_blocked(modules[0]))
+    def __init__(self, modules: dict[int, nn.Module]) -> None:
+        self.gate_up = {layer: m.gate_up_proj for layer, m in modules.items()}  # [E, 2I, H] each
+        self.down = {layer: m.down_proj for layer, m in modules.items()}  # [E, H, I] each
+        first = next(iter(modules))
+        self.apply_gate = modules[first]._apply_gate
+        probe = self.gate_up[first].new_zeros(1, self.gate_up[first].shape[-1])
+        self.kernel = _pairs_kernel(probe, self.gate_up[first], self.down[first], is_blocked(modules[first]))
 
-    def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
-        y = self.kernel(x, top_k_index, top_k_weights, self.gate_up[row], self.down[row], self.apply_gate)
+    def __call__(self, layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+        y = self.kernel(x, top_k_index, top_k_weights, self.gate_up[layer], self.down[layer], self.apply_gate)
         return y, None
 
 
@@ -71,6 +72,7 @@ class SlotExperts:
 
     def __init__(self, cache, module: nn.Module, host=None) -> None:
         self.table = cache.slot_table  # [n_moe_layers, E]
+        self.table_rows = cache.table_rows  # decoder layer -> row of the table
         self.gate_up = cache.slots["gate_up_proj"]  # [n_slots, 2I, H]
         self.down = cache.slots["down_proj"]  # [n_slots, H, I]
         self.apply_gate = module._apply_gate
@@ -79,13 +81,13 @@ class SlotExperts:
         self.host_handle = host.handle if host is not None else None
         self.host_computes = host is not None and host.computes
 
-    def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
         if self.host_computes:
-            return layer_experts(x, top_k_index, top_k_weights, row, self.host_handle), None
+            return layer_experts(x, top_k_index, top_k_weights, layer, self.host_handle), None
         if self.host_handle is None:
-            table_row = self.table[row]
+            table_row = self.table[self.table_rows[layer]]
         else:
-            table_row = layer_slots(x, top_k_index, top_k_weights, row, self.host_handle, self.table.shape[1])
+            table_row = layer_slots(x, top_k_index, top_k_weights, layer, self.host_handle, self.table.shape[1])
         slots, missing = slots_for(table_row, top_k_index)
         return self.kernel(x, slots, top_k_weights, self.gate_up, self.down, self.apply_gate), missing
 
@@ -95,14 +97,14 @@ class CompiledDraftExperts:
     (``specter.compile.host_layer.LayerHost``), each layer's routing goes to the host first
     (``layer_routed``)."""
 
-    def __init__(self, draft: list, host=None) -> None:
-        self.draft = draft
+    def __init__(self, draft: dict, host=None) -> None:
+        self.draft = draft  # by decoder layer
         self.host_handle = host.draft_handle if host is not None else None
 
-    def __call__(self, row: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
         if self.host_handle is not None:
-            x = layer_routed(x, top_k_index, top_k_weights, row, self.host_handle)
-        return self.draft[row].forward_static(x, top_k_index, top_k_weights), None
+            x = layer_routed(x, top_k_index, top_k_weights, layer, self.host_handle)
+        return self.draft[layer].forward_static(x, top_k_index, top_k_weights), None
 
 
 class PathChooser:
@@ -219,21 +221,21 @@ class PathChooser:
 @dataclasses.dataclass
 class StepOutput:
     logits: Tensor  # [T, V] float32
-    top_k_index: Tensor  # [L, T, k]
+    top_k_index: Tensor  # [L, T, k], L the MoE layers
     top_k_weights: Tensor  # [L, T, k]
     expert_inputs: Tensor  # [L, T, H]
     missing: Tensor | None  # [] bool: a needed expert was not resident (cache source only)
 
-    def replay(self, runtime, cache, mode: str) -> None:
-        """The host side of the eager path, after the fact: ``runtime``'s observers per layer,
-        then (a ``cache`` target step) the cache's bookkeeping of the experts used, all READY,
-        hence hits."""
+    def replay(self, runtime, cache, mode: str, layers: list[int]) -> None:
+        """The host side of the eager path, after the fact: ``runtime``'s observers per MoE layer
+        (``layers``: their decoder indices, in order), then (a ``cache`` target step) the cache's
+        bookkeeping of the experts used, all READY, hence hits."""
         if runtime is None:
             return
         account = mode == "target" and cache is not None
-        for layer in range(self.top_k_index.shape[0]):
-            top_k_index = self.top_k_index[layer]
-            runtime.notify(layer, self.expert_inputs[layer], top_k_index, self.top_k_weights[layer], mode)
+        for row, layer in enumerate(layers):
+            top_k_index = self.top_k_index[row]
+            runtime.notify(layer, self.expert_inputs[row], top_k_index, self.top_k_weights[row], mode)
             if account:
                 experts = top_k_index.unique().tolist()
                 cache.acquire(layer, experts)

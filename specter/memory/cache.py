@@ -8,8 +8,8 @@ Contract:
 - A slot is FREE, LOADING (a ``Transfer`` is in flight into it) or READY. A key ``(layer, expert)``
   occupies at most one slot and a slot holds at most one key.
 - ``slot_table`` (``[len(store.layers), n_experts]`` long, on the device, row = position of the
-  layer in ``store.layers``; ``specter.memory.slots.SlotTable``) holds the slot of every READY key
-  and -1 elsewhere, so compiled code can read slots without the host.
+  layer in ``store.layers``, ``table_rows[layer]``; ``specter.memory.slots.SlotTable``) holds the
+  slot of every READY key and -1 elsewhere, so compiled code can read slots without the host.
 - ``acquire(layer, experts)`` returns the slots of those experts, in order, READY and pinned: every
   copy into them is complete, and no eviction or prefetch touches them until ``release``
   (``wait=False``: pinned, their copies started, some LOADING: see ``await_any``). Misses
@@ -85,6 +85,7 @@ class ExpertCache:
         self._slot_views = [{name: buffer[slot] for name, buffer in self.slots.items()} for slot in range(n_slots)]
         self._table = SlotTable(store.layers, store.n_experts, self.device)
         self.slot_table = self._table.tensor
+        self.table_rows: dict[int, int] = dict(self._table.rows)  # decoder layer -> its row of slot_table
         self._key_in: list[ExpertKey | None] = [None] * n_slots
         self._state: list[SlotState] = [SlotState.FREE] * n_slots
         self._pins: list[int] = [0] * n_slots

@@ -172,9 +172,7 @@ def test_no_recompilation_after_warm_up(checkpoint, draft):
     engine.close()
 
 
-@pytest.mark.parametrize("arch, missing", [
-    ("deepseek_v2", "latent attention"),
-    ("deepseek_v3", "latent attention"), ("gpt_oss", "sinks")])
+@pytest.mark.parametrize("arch, missing", [("gpt_oss", "sinks")])
 def test_unsupported_models_are_refused_saying_what_is_missing(arch, missing):
     model = random_model(arch, hidden=64, intermediate=64, layers=1)
     reason = unsupported_reason(model)
@@ -244,18 +242,25 @@ def test_longrope_compiles_where_every_sequence_keeps_its_short_factors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "qwen2_moe", "mixtral-yarn", "phimoe", "phimoe-longrope"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "qwen2_moe", "mixtral-yarn", "phimoe", "phimoe-longrope",
+                                  "deepseek_v2", "deepseek_v3", "deepseek_v3-plain"])
 def test_other_layouts_compile_to_the_eager_tokens(arch, tmp_path):
     """Qwen3-MoE (per-head q/k norms), OLMoE (q/k norms over the whole projection; the lean draft
     step then attends op by op) and Qwen2-MoE (attention biases, a sigmoid-gated shared expert, no
     sliding window though its config holds one), a Mixtral with YaRN RoPE (frequencies and attention
     scaling fixed at load), PhiMoE (LayerNorms with biases, the sparsemixer router; drafting through
-    the compiled draft graph) and a PhiMoE with longrope within its short factors' range: compiled
-    ``resident`` and ``specter`` give eager
+    the compiled draft graph), a PhiMoE with longrope within its short factors' range, DeepSeek-V2
+    (latent attention with low-rank queries, a group-limited softmax router, a dense first layer,
+    an unscaled shared expert) and DeepSeek-V3 (a biased sigmoid over expert groups; interleaved
+    RoPE, and plain RoPE with full-rank queries and no dense layer, where the lean draft step
+    declines and the draft graph runs): compiled ``resident`` and ``specter`` give eager
     ``resident``'s tokens, with no graph compiled after warm-up (each layout's graphs apart:
     ``specter.compile.layout_code``)."""
     config = {"mixtral-yarn": lambda: tiny_config("mixtral", rope_parameters=YARN, head_dim=16),
-              "phimoe-longrope": lambda: longrope_phimoe(4096, 8192)}.get(arch, lambda: tiny_config(arch))()
+              "phimoe-longrope": lambda: longrope_phimoe(4096, 8192),
+              "deepseek_v3-plain": lambda: tiny_config("deepseek_v3", rope_interleave=False, q_lora_rank=None,
+                                                       first_k_dense_replace=0),
+              }.get(arch, lambda: tiny_config(arch))()
     path = str(save_random_checkpoint(config, tmp_path / arch, seed=0))
     eager = specter.load(recipe(path, "resident", compile=False)).generate(PROMPTS).token_ids
     for engine_name in ("resident", "specter"):

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from specter import native
 from specter.compile import decoder_math
-from specter.compile.decoder_math import FUSED_MAX_TOKENS, arch_of, linear
+from specter.compile.decoder_math import FUSED_MAX_TOKENS, linear
+from specter.compile.model_weights import arch_of
 from specter.kernels import native_rows
 from specter.testing.marks import needs_native
 

@@ -247,6 +247,7 @@ def test_a_fused_step_frees_the_previous_layers_slots_before_the_observers_hear_
     class Cache:
         capacity = 8
         slot_table = torch.zeros(2, 6, dtype=torch.long)
+        table_rows = {0: 0, 1: 1}
 
         def acquire(self, row, experts):
             log.append(("acquire", row, experts))
