@@ -2,8 +2,9 @@
 
 Contract:
 - ``unsupported_reason(model) -> str | None`` (``specter.compile.model_weights``, what the graphs'
-  model math, ``specter.compile.decoder_math``, reads; its contract lists the layer shapes it covers: Mixtral, Qwen3-MoE, OLMoE,
-  Qwen2-MoE, PhiMoE and DeepSeek-V2/V3): why a model cannot be compiled here (None: it can).
+  model math, ``specter.compile.decoder_math``, reads; its contract lists the layer shapes it
+  covers: Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, PhiMoE, DeepSeek-V2/V3 and GPT-OSS): why a model
+  cannot be compiled here (None: it can).
 - ``CompiledDecoder(model, experts="resident" | "cache", runtime=None, layered=False)``: the
   model's forward written against its weights (not through transformers' modules), experts from
   the layers' own stacked tensors (``resident``) or from an ``ExpertRuntime``'s device cache and,
@@ -148,7 +149,7 @@ class CompiledDecoder(DecoderGraphs):
         if self.device.type == "cuda":  # CUDA graphs copy every input without a static address
             weights = list(dense)
             if self.cache is None:
-                weights += [t for m in self.expert_modules.values() for t in (m.gate_up_proj, m.down_proj)]
+                weights += [t for m in self.expert_modules.values() for t in m.parameters()]  # GPT-OSS's biases too
             else:
                 weights += [self.cache.slot_table, *self.cache.slots.values()]
             _mark_static(weights + self._keys + self._values + [self._kv_index])

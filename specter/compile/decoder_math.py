@@ -73,18 +73,21 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def route(arch: Arch, router: Tensor, x: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(top_k_weights [T, k], top_k_index [T, k]) of ``x [T, H]``; ``bias``: DeepSeek-V3's score correction."""
+def route(arch: Arch, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor]:
+    """(top_k_weights [T, k], top_k_index [T, k]) of a layer's expert input ``x [T, H]``."""
     if arch.groups is not None:  # DeepSeek's routers score in float32
-        logits = linear(x.float(), router.float(), row_kernel=arch.row_kernel)
-        return grouped_select(arch.groups, arch.top_k, logits, bias)
-    return select_experts(arch, linear(x, router, row_kernel=arch.row_kernel))
+        logits = linear(x.float(), w.router.float(), row_kernel=arch.row_kernel)
+        return grouped_select(arch.groups, arch.top_k, logits, w.score_correction)
+    return select_experts(arch, linear(x, w.router, w.router_bias, row_kernel=arch.row_kernel))
 
 
 def select_experts(arch: Arch, logits: Tensor) -> tuple[Tensor, Tensor]:
     """Router logits [T, E] -> (top_k_weights [T, k], top_k_index [T, k]), as the model's router."""
     if arch.sparsemixer_eps is not None:
         return sparsemixer(logits, arch.sparsemixer_eps)
+    if arch.softmax_after_topk:
+        top, top_k_index = torch.topk(logits, arch.top_k, dim=-1)  # [T, k]
+        return torch.softmax(top, dim=-1), top_k_index
     probs = torch.softmax(logits.float(), dim=-1)
     top_k_weights, top_k_index = torch.topk(probs, arch.top_k, dim=-1)  # [T, k]
     if arch.renormalize:
@@ -159,18 +162,34 @@ def attention_and_route(
     values[:, :, positions] = v.transpose(0, 1)[None]
     span = kv_index.shape[0]
     mask = kv_index[None, :] <= positions[:, None]  # [T, S]
-    if arch.sliding_window is not None:
-        mask = mask & (positions[:, None] - kv_index[None, :] < arch.sliding_window)
-    attended = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys[:, :, :span], values[:, :, :span], attn_mask=mask[None, None],
-        scale=arch.scaling, enable_gqa=arch.n_heads != arch.n_kv_heads,
-    )  # [1, nH, T, d]
+    window = w.window if arch.per_layer_windows else arch.sliding_window
+    if window is not None:
+        mask = mask & (positions[:, None] - kv_index[None, :] < window)
+    attended = attend(arch, q.transpose(0, 1)[None], keys[:, :, :span], values[:, :, :span], mask, w.sinks)
     h = h + linear(attended[0].transpose(0, 1).reshape(num_tokens, -1), w.o, w.o_bias, arch.row_kernel)  # [T, H]
     x = norm(arch, h, w.post_norm, w.post_norm_bias)  # [T, H]
     if w.router is None:
         return h, x, None, None
-    top_k_weights, top_k_index = route(arch, w.router, x, w.router_bias)
+    top_k_weights, top_k_index = route(arch, w, x)
     return h, x, top_k_weights, top_k_index
+
+
+def attend(arch: Arch, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, sinks: Tensor | None) -> Tensor:
+    """Attention of ``q [1, nH, T, d]`` over ``keys``/``values [1, nKV, S, d]`` where ``mask [T, S]``
+    -> [1, nH, T, d_v]. With ``sinks [nH]`` (GPT-OSS) each head's softmax also weighs its sink
+    logit, whose share of the attention goes nowhere (written out: SDPA has no sinks)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=arch.scaling,
+                                              enable_gqa=arch.n_heads != arch.n_kv_heads)
+    groups = arch.n_heads // arch.n_kv_heads
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = (q @ keys.transpose(-1, -2)) * arch.scaling  # [1, nH, T, S]
+    scores = scores.masked_fill(~mask[None, None], float("-inf"))
+    sink = sinks.view(1, -1, 1, 1).expand(1, -1, q.shape[2], 1).to(scores.dtype)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return probs.to(values.dtype) @ values
 
 
 def after_experts(arch: Arch, w: LayerWeights, h: Tensor, x: Tensor, routed: Tensor,

@@ -5,9 +5,8 @@ Contract: ``use_lean_draft(engine)`` gives a ``specter`` engine a lean step wher
 compiled one on a CPU (native kernels serving; ``specter.compile.attach``), with no compiled draft
 graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models
 whose decoder ``specter.compile.decoder_math`` writes with RMSNorms (Mixtral, Qwen3-MoE, OLMoE,
-Qwen2-MoE without dense layers; not PhiMoE's LayerNorms nor DeepSeek's latent attention) and no
-sliding window, every decoder layer
-served by ``runtime``; otherwise None, and ``unsupported_reason(model, runtime)`` says why.
+Qwen2-MoE without dense layers; not PhiMoE's LayerNorms, DeepSeek's latent attention nor GPT-OSS's
+sinks) and no sliding window, every decoder layer served by ``runtime``; otherwise None, and ``unsupported_reason(model, runtime)`` says why.
 ``step(token, kv)`` runs one token id through every layer, appends its K/V to ``kv`` at the
 positions the model's own forward would (a transformers cache, or the compiled decoder's
 ``StaticKV``, written in place, its length advanced), computes the routed experts through
@@ -77,6 +76,8 @@ def unsupported_reason(model: nn.Module, runtime) -> str | None:
         return "a sliding attention window"
     if arch.layer_norm:
         return "LayerNorms (the lean step norms by RMS)"
+    if arch.per_layer_windows or arch.softmax_after_topk:
+        return "attention sinks, per-layer windows and a top-k-then-softmax router (GPT-OSS)"
     if arch.latent is not None or arch.groups is not None:
         return "latent attention and grouped routers (the lean step attends and routes as llama-style models do)"
     missing = [i for i in range(len(model.model.layers)) if i not in runtime.layers]

@@ -9,7 +9,8 @@ or LayerNorms with biases, then gated [out, in] routed experts without bias behi
 router or PhiMoE's sparsemixer, optionally beside a SiLU-gated shared expert scaled by a sigmoid
 gate: Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and PhiMoE without dense layers; DeepSeek-V2/V3 with
 latent attention, grouped routers, unscaled shared experts and dense first layers, through
-``specter.compile.deepseek_math``). ``arch_of(model) -> Arch`` reads the constants the math is
+``specter.compile.deepseek_math``; GPT-OSS with attention sinks, a window per layer, a biased
+top-k-then-softmax router and [in, out] experts with biases). ``arch_of(model) -> Arch`` reads the constants the math is
 traced with (hashable: part of a layout's key), ``layer_weights_of(layer) -> LayerWeights`` a
 decoder layer's tensors; ``layer_tensors(w)`` / ``named_layer_tensors(w)`` list every tensor of
 them, their parts' included.
@@ -25,16 +26,13 @@ from specter.compile import deepseek_math
 from specter.compile.deepseek_math import Groups, Latent, LatentWeights
 from specter.kernels import native_rows
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", *deepseek_math.DEEPSEEK_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", *deepseek_math.DEEPSEEK_MODEL_TYPES,
+                         "gpt_oss")
 # RoPE variants whose frequencies and attention scaling transformers computes once, at load
 # (``dynamic`` and ``longrope`` recompute them from the sequence length in every forward)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DEFAULT_MAX_LEN = 2048  # the compiled decoder's longest sequence unless given (at most the model's positions)
-# what the compiled decoder's math lacks for each layout Specter runs eagerly
-MISSING_FOR_MODEL_TYPE = {
-    "gpt_oss": "its attention has sinks and its experts have biases, interleaved gate/up columns and a clamped "
-               "activation; the compiled math has plain attention and gated experts without bias",
-}
+NOT_TENSORS = ("window",)  # LayerWeights fields that are constants of the traced math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +54,8 @@ class Arch:
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE's option)
     latent: Latent | None = None  # multi-head latent attention (DeepSeek): n_kv_heads == n_heads
     groups: Groups | None = None  # a grouped router (DeepSeek)
+    softmax_after_topk: bool = False  # top-k of the (biased) logits, then a softmax over those k (GPT-OSS)
+    per_layer_windows: bool = False  # each layer's own window (``LayerWeights.window``, GPT-OSS), not ``sliding_window``
 
     @property
     def value_dim(self) -> int:
@@ -92,15 +92,18 @@ class LayerWeights:
     input_norm_bias: Tensor | None = None  # LayerNorm models
     post_norm_bias: Tensor | None = None
     latent: LatentWeights | None = None
-    router_bias: Tensor | None = None  # [E] float32: DeepSeek-V3's score correction, for the choice only
+    score_correction: Tensor | None = None  # [E] float32: DeepSeek-V3's, for the choice only
     dense: GatedMLP | None = None  # a dense layer's MLP (DeepSeek's first layers)
+    router_bias: Tensor | None = None  # [E] (GPT-OSS)
+    sinks: Tensor | None = None  # [nH] attention sink logits (GPT-OSS)
+    window: int | None = None  # this layer's sliding window (with ``Arch.per_layer_windows``)
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        missing = MISSING_FOR_MODEL_TYPE.get(config.model_type, "its layers were never written here")
-        return f"model type {config.model_type!r}: {missing} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        return (f"model type {config.model_type!r}: its layers were never written here "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     longest = min(getattr(config, "max_position_embeddings", DEFAULT_MAX_LEN), DEFAULT_MAX_LEN)
     if rope_type == "longrope" and longest <= longrope_switch(model):
@@ -122,8 +125,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return f"decoder layer {index} has no routed experts (dense layers only as DeepSeek's)"
         if _router_of(mlp) is None:
             return f"decoder layer {index}: no router found beside its experts"
-        if not experts.has_gate or experts.is_transposed or experts.has_bias:
-            return f"decoder layer {index}: only gated [out, in] experts without bias are supported"
+        gpt_oss = config.model_type == "gpt_oss"  # its own layout: [in, out] with biases, read per pair
+        if not experts.has_gate or (experts.is_transposed, experts.has_bias) != (gpt_oss, gpt_oss):
+            return (f"decoder layer {index}: only gated [out, in] experts without bias (GPT-OSS: [in, out] with "
+                    "biases) are supported")
         if getattr(experts, "has_post_expert_norm", False):
             return f"decoder layer {index}: post-expert norm is not supported"
         shared = getattr(mlp, "shared_expert", None)
@@ -141,6 +146,7 @@ def arch_of(model: nn.Module) -> Arch:
     router = _router_of(next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")))
     latent = deepseek_math.latent_of(model)
     groups = deepseek_math.groups_of(model)
+    gpt_oss = config.model_type == "gpt_oss"
     return Arch(
         n_heads=config.num_attention_heads,
         n_kv_heads=config.num_attention_heads if latent is not None else config.num_key_value_heads,
@@ -148,9 +154,10 @@ def arch_of(model: nn.Module) -> Arch:
         eps=config.rms_norm_eps,
         scaling=attention.scaling,
         rope_scaling=float(model.model.rotary_emb.attention_scaling),
-        sliding_window=getattr(config, "sliding_window", None) or None,  # Qwen2-MoE writes 0 for none
+        # Qwen2-MoE writes 0 for none; GPT-OSS's windows are per layer
+        sliding_window=None if gpt_oss else getattr(config, "sliding_window", None) or None,
         top_k=router.top_k,
-        renormalize=groups is None and bool(getattr(router, "norm_topk_prob", True)),
+        renormalize=groups is None and not gpt_oss and bool(getattr(router, "norm_topk_prob", True)),
         float_scores=config.model_type == "mixtral" or groups is not None,
         row_kernel=_row_kernel_serves(model),
         layer_norm=isinstance(model.model.norm, nn.LayerNorm),
@@ -159,6 +166,8 @@ def arch_of(model: nn.Module) -> Arch:
         clip_qkv=getattr(config, "clip_qkv", None),
         latent=latent,
         groups=groups,
+        softmax_after_topk=gpt_oss,
+        per_layer_windows=gpt_oss,
     )
 
 
@@ -166,7 +175,8 @@ def _row_kernel_serves(model: nn.Module) -> bool:
     """Whether the native row kernels serve every dense projection and norm weight of the model
     (``native_rows.serves``): the compiled graphs' ``linear`` and the lean draft step read this."""
     weights = [layer_weights_of(layer) for layer in model.model.layers]
-    dense = [t for w in weights for name, t in named_layer_tensors(w) if t is not None and "bias" not in name]
+    dense = [t for w in weights for name, t in named_layer_tensors(w)
+             if t is not None and "bias" not in name and name not in ("sinks", "score_correction")]
     return native_rows.serves(model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight, *dense)
 
 
@@ -190,8 +200,11 @@ def layer_weights_of(layer: nn.Module) -> LayerWeights:
         input_norm_bias=getattr(layer.input_layernorm, "bias", None),
         post_norm_bias=getattr(layer.post_attention_layernorm, "bias", None),
         latent=deepseek_math.latent_weights_of(attention) if latent else None,
-        router_bias=getattr(router, "e_score_correction_bias", None),
+        score_correction=getattr(router, "e_score_correction_bias", None),
         dense=_gated_mlp_of(layer.mlp) if router is None else None,
+        router_bias=getattr(router, "bias", None),
+        sinks=getattr(attention, "sinks", None),
+        window=getattr(attention, "sliding_window", None),
     )
 
 
@@ -213,7 +226,7 @@ def named_layer_tensors(w: LayerWeights) -> list[tuple[str, Tensor | None]]:
         value = getattr(w, field.name)
         if dataclasses.is_dataclass(value):
             named += [(f"{field.name}.{part.name}", getattr(value, part.name)) for part in dataclasses.fields(value)]
-        elif value is None or isinstance(value, Tensor):
+        elif field.name not in NOT_TENSORS:
             named.append((field.name, value))
     return named
 

@@ -18,14 +18,18 @@ from torch import Tensor, nn
 from specter.compile.host_layer import layer_experts, layer_routed, layer_slots
 from specter.kernels import native_rows
 from specter.kernels.grouped_experts import native_grouped_experts
-from specter.kernels.slot_experts import gather_experts, slots_for
+from specter.kernels.slot_experts import gather_biased_experts, gather_experts, slots_for
 from specter.model.expert_layout import is_blocked
 
 
-def _pairs_kernel(x_like: Tensor, gate_up: Tensor, down: Tensor, blocked: bool):
+def _pairs_kernel(x_like: Tensor, gate_up: Tensor, down: Tensor, blocked: bool, biased: bool = False):
     """The experts kernel a graph traces: Specter's grouped native rows (each chosen expert read
     once for all its tokens; ``blocked``: the weights are stored blocked) where they serve these
-    weights, else ``gather_experts`` (per pair; the standard layout only)."""
+    weights, else ``gather_experts`` (per pair; the standard layout only); GPT-OSS's [in, out]
+    experts with biases (``biased``) through ``gather_biased_experts``, which takes the two biases
+    after the other arguments."""
+    if biased:
+        return gather_biased_experts
     if native_rows.serves(x_like, gate_up, down):
         return functools.partial(native_grouped_experts, blocked=blocked)
     if blocked:
@@ -48,19 +52,28 @@ class CompileStats:
 
 # ----- expert sources of the fused step ----------------------------------------------------------
 
+def _biased(module: nn.Module) -> bool:
+    return bool(getattr(module, "has_bias", False))
+
+
 class OwnExperts:
     """The layers' own stacked experts (the resident engine)."""
 
     def __init__(self, modules: dict[int, nn.Module]) -> None:
         self.gate_up = {layer: m.gate_up_proj for layer, m in modules.items()}  # [E, 2I, H] each
         self.down = {layer: m.down_proj for layer, m in modules.items()}  # [E, H, I] each
+        # GPT-OSS's biases, after the weights (``_pairs_kernel``); none for the other layouts
+        self.biases = {layer: (m.gate_up_proj_bias, m.down_proj_bias) if _biased(m) else ()
+                       for layer, m in modules.items()}
         first = next(iter(modules))
         self.apply_gate = modules[first]._apply_gate
         probe = self.gate_up[first].new_zeros(1, self.gate_up[first].shape[-1])
-        self.kernel = _pairs_kernel(probe, self.gate_up[first], self.down[first], is_blocked(modules[first]))
+        self.kernel = _pairs_kernel(probe, self.gate_up[first], self.down[first], is_blocked(modules[first]),
+                                    _biased(modules[first]))
 
     def __call__(self, layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
-        y = self.kernel(x, top_k_index, top_k_weights, self.gate_up[layer], self.down[layer], self.apply_gate)
+        y = self.kernel(x, top_k_index, top_k_weights, self.gate_up[layer], self.down[layer], self.apply_gate,
+                        *self.biases[layer])
         return y, None
 
 
@@ -75,9 +88,11 @@ class SlotExperts:
         self.table_rows = cache.table_rows  # decoder layer -> row of the table
         self.gate_up = cache.slots["gate_up_proj"]  # [n_slots, 2I, H]
         self.down = cache.slots["down_proj"]  # [n_slots, H, I]
+        slots = cache.slots
+        self.biases = (slots["gate_up_proj_bias"], slots["down_proj_bias"]) if _biased(module) else ()
         self.apply_gate = module._apply_gate
         self.kernel = _pairs_kernel(self.gate_up.new_zeros(1, self.gate_up.shape[-1]), self.gate_up, self.down,
-                                    cache.store.blocked)
+                                    cache.store.blocked, _biased(module))
         self.host_handle = host.handle if host is not None else None
         self.host_computes = host is not None and host.computes
 
@@ -89,7 +104,7 @@ class SlotExperts:
         else:
             table_row = layer_slots(x, top_k_index, top_k_weights, layer, self.host_handle, self.table.shape[1])
         slots, missing = slots_for(table_row, top_k_index)
-        return self.kernel(x, slots, top_k_weights, self.gate_up, self.down, self.apply_gate), missing
+        return self.kernel(x, slots, top_k_weights, self.gate_up, self.down, self.apply_gate, *self.biases), missing
 
 
 class CompiledDraftExperts:

@@ -217,9 +217,9 @@ class Recipe(_Section):
     sampling: Sampling = _field("token sampling", factory=Sampling)
     offload: OffloadConfig = _field("expert offloading", factory=OffloadConfig)
     speculation: SpeculationConfig = _field("speculative decoding", factory=SpeculationConfig)
-    compile: bool = _field("torch.compile the decode step functions (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, "
-                           "PhiMoE and DeepSeek-V2/V3 layouts; others are refused, saying what their layers "
-                           "lack)", False)
+    compile: bool = _field("torch.compile the decode step functions (every layout: Mixtral, Qwen3-MoE, OLMoE, "
+                           "Qwen2-MoE, PhiMoE, DeepSeek-V2/V3, GPT-OSS; options the compiled math lacks are "
+                           "refused, saying what)", False)
     huge_pages: bool = _field("on a CPU device, large weights, host experts and cache slots on 2 MiB transparent "
                               "huge pages where Linux allows them (THP always or madvise; else ordinary pages): "
                               "fewer page walks per expert read", True)

@@ -13,7 +13,12 @@ Contract:
   slot of every chosen expert, read from the device slot table (-1 = not resident). Absent
   experts are pointed at slot 0 so the result is always safe to index with; ``missing`` says
   whether there were any (the caller then discards what it computed).
-Gated experts only ([out, in] weights, no biases: the Mixtral, Qwen3-MoE and OLMoE layouts).
+- ``gather_biased_experts(x, ids, weights, gate_up [N, H, 2I], down [N, I, H], apply_gate,
+  gate_up_bias [N, 2I], down_bias [N, H])``: the same for GPT-OSS's layout, ``[in, out]`` weights
+  with biases (``x @ gate_up + bias``; ``apply_gate`` the module's own, which reads the interleaved
+  gate/up columns).
+Gated experts only: ``gather_experts`` the [out, in] layout without biases (Mixtral, Qwen2/3-MoE,
+OLMoE, PhiMoE, DeepSeek).
 """
 
 from __future__ import annotations
@@ -31,6 +36,16 @@ def gather_experts(
     h = (x[:, None, None, :] * gate_up[ids]).sum(-1)  # [T, k, 2I]
     a = apply_gate(h)  # [T, k, I]
     y = (a[:, :, None, :] * down[ids]).sum(-1)  # [T, k, H]
+    return (y.float() * weights[..., None].float()).sum(1).to(x.dtype)  # [T, H]
+
+
+def gather_biased_experts(
+    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, apply_gate: ApplyGate,
+    gate_up_bias: Tensor, down_bias: Tensor,
+) -> Tensor:
+    h = (x[:, None, :, None] * gate_up[ids]).sum(-2) + gate_up_bias[ids]  # [T, k, 2I]
+    a = apply_gate(h)  # [T, k, I]
+    y = (a[:, :, :, None] * down[ids]).sum(-2) + down_bias[ids]  # [T, k, H]
     return (y.float() * weights[..., None].float()).sum(1).to(x.dtype)  # [T, H]
 
 

@@ -1,7 +1,5 @@
-"""DeepSeek-V2/V3's compiled math against the models' own modules: the grouped routers choose the
-same experts with the same weights, and a whole forward written with ``decoder_math`` (latent
-attention with its expanded K/V, interleaved or plain RoPE, low-rank or full queries, dense first
-layers, unscaled shared experts) gives transformers' logits."""
+"""DeepSeek-V2/V3's grouped routers choose the same experts with the same weights as the models'
+own (their whole forward through the compiled math: ``test_model_weights``)."""
 
 from __future__ import annotations
 
@@ -9,10 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specter.compile import decoder_math
 from specter.compile.deepseek_math import Groups, grouped_select
-from specter.compile.decoder_math import rope_tables
-from specter.compile.model_weights import arch_of, layer_weights_of, unsupported_reason
+from specter.compile.model_weights import arch_of, unsupported_reason
 from specter.testing.zoo import random_model, tiny_config
 
 
@@ -50,44 +46,6 @@ def test_group_limits_keep_the_choice_inside_the_best_groups() -> None:
     assert sorted(index[0].tolist()) == [0, 1]  # expert 4 outscores 1 but lies in another group
     _, index = grouped_select(Groups(False, 4, 0, False, 1.0), 2, logits, None)
     assert sorted(index[0].tolist()) == [0, 4]
-
-
-def forward_with_decoder_math(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [T, V] of ``tokens [T]`` through ``decoder_math`` (no cache before them), experts eagerly."""
-    arch, decoder = arch_of(model), model.model
-    positions = torch.arange(tokens.shape[0])
-    h = decoder.embed_tokens(tokens)
-    cos, sin = rope_tables(decoder.rotary_emb.inv_freq, positions, arch.rope_scaling, h.dtype)
-    for layer in decoder.layers:
-        w = layer_weights_of(layer)
-        keys = torch.zeros(1, arch.n_kv_heads, tokens.shape[0], arch.head_dim)
-        values = torch.zeros(1, arch.n_kv_heads, tokens.shape[0], arch.value_dim)
-        h, x, top_k_weights, top_k_index = decoder_math.attention_and_route(
-            arch, w, keys, values, h, cos, sin, positions, positions)
-        if w.dense is not None:
-            h = decoder_math.dense_layer(arch, w, h, x)
-        else:
-            h = decoder_math.after_experts(arch, w, h, x, layer.mlp.experts(x, top_k_index, top_k_weights))
-    return model.lm_head(decoder.norm(h))
-
-
-@pytest.mark.parametrize("arch, overrides", [
-    ("deepseek_v2", {}),
-    ("deepseek_v2", {"q_lora_rank": None, "attention_bias": True, "topk_method": "greedy"}),
-    ("deepseek_v3", {}),
-    ("deepseek_v3", {"rope_interleave": False, "first_k_dense_replace": 0}),
-    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0}}),
-])
-def test_a_forward_through_the_compiled_math_gives_the_models_logits(arch: str, overrides: dict) -> None:
-    model = random_model(tiny_config(arch, **overrides), seed=5)
-    assert unsupported_reason(model) is None
-    tokens = torch.tensor([1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55])
-    with torch.inference_mode():
-        expected = model(tokens[None]).logits[0]
-        logits = forward_with_decoder_math(model, tokens)
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
 def test_unsupported_deepseek_options_say_what() -> None:
