@@ -67,6 +67,12 @@ def rope_tables(inv_freq: Tensor, positions: Tensor, scaling: float, dtype: torc
     return cos, sin
 
 
+def rope_dtype(arch: Arch, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the RoPE tables for a model of ``dtype``: its own, or float32 where the model
+    rotates in float32 (DeepSeek-V2)."""
+    return torch.float32 if arch.latent is not None and arch.latent.float_rope else dtype
+
+
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, n, d]

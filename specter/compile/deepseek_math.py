@@ -13,7 +13,8 @@ Contract:
   (what transformers expands from its latent cache at every step), so attention is plain SDPA.
   Interleaved RoPE (DeepSeek-V2's complex pairs, V3's ``rope_interleave``) rotates each pair and
   lays the rotated halves out de-interleaved, for queries and keys alike (their dot product is the
-  model's).
+  model's); V2 rotates in float32 (``Latent.float_rope``: the decoder's RoPE tables are then
+  float32, ``decoder_math.rope_dtype``), as its complex numbers do.
 - ``Groups`` (frozen, part of ``Arch``): a grouped router's constants; ``groups_of(model)``.
   ``grouped_select(groups, top_k, logits [T, E] float32, bias) -> (weights [T, k] float32, index
   [T, k])``: V2's softmax (``greedy`` or ``group_limited_greedy``) and V3's biased sigmoid over the
@@ -41,6 +42,7 @@ class Latent:
     kv_rank: int
     eps: float  # the latent norms' own (transformers builds them with its default, not rms_norm_eps)
     interleaved: bool  # RoPE on consecutive pairs
+    float_rope: bool  # rotated in float32 (V2's complex numbers), the tables float32 too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,7 @@ def latent_of(model: nn.Module) -> Latent | None:
         nope_dim=config.qk_nope_head_dim, rope_dim=config.qk_rope_head_dim, v_dim=config.v_head_dim,
         kv_rank=config.kv_lora_rank, eps=attention.kv_a_layernorm.variance_epsilon,
         interleaved=config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", False)),
+        float_rope=config.model_type == "deepseek_v2",
     )
 
 
@@ -144,7 +147,9 @@ def latent_queries_keys_values(
     kv = kv.view(num_tokens, n_heads, latent.nope_dim + latent.v_dim)
     k_nope, v = kv.split((latent.nope_dim, latent.v_dim), dim=-1)
     turn = rotate_pairs if latent.interleaved else rotate
-    q_rope, k_rope = turn(q_rope, cos, sin), turn(k_rope[:, None, :], cos, sin)  # k_rope: [T, 1, rope]
+    if latent.float_rope:  # V2: float32 complex numbers
+        q_rope, k_rope = q_rope.float(), k_rope.float()
+    q_rope, k_rope = turn(q_rope, cos, sin).to(q.dtype), turn(k_rope[:, None, :], cos, sin).to(q.dtype)  # k: [T, 1, rope]
     q = torch.cat((q_nope, q_rope), dim=-1)
     k = torch.cat((k_nope, k_rope.expand(num_tokens, n_heads, latent.rope_dim)), dim=-1)
     return q, k, v.contiguous()

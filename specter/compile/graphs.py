@@ -1,7 +1,7 @@
 """The compiled decoder's traced step functions, and their compilation.
 
 Contract: ``DecoderGraphs`` is mixed into ``specter.compile.decoder.CompiledDecoder``, whose
-constructor sets what the functions read: ``arch`` (``model_weights.Arch``), ``embed``,
+constructor sets what the functions read: ``arch`` (``model_weights.Arch``), ``dtype``, ``embed``,
 ``inv_freq``, ``final_norm`` / ``final_norm_bias``, ``lm_head`` / ``lm_head_bias``, ``layers``
 (``model_weights.LayerWeights``), ``cuda_graphs``, ``target_experts`` and, once a draft is set,
 ``_draft_experts`` (both ``(layer, x, top_k_index, top_k_weights) -> (y, missing or None)``).
@@ -23,15 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specter.compile.decoder_math import after_experts, attention_and_route, dense_layer, linear, norm, rope_tables
+from specter.compile.decoder_math import (
+    after_experts, attention_and_route, dense_layer, linear, norm, rope_dtype, rope_tables,
+)
 from specter.compile.layout_code import per_layout
 from specter.compile.parts import StepOutput
 
 
 class DecoderGraphs:
     def _compile_graphs(self, key: tuple, cpp_wrapper: bool) -> None:
-        # guards already pin every input's size and stride: the per-call re-checks cost ~5% of a decode step
-        options = {"size_asserts": False, "alignment_asserts": False}
+        # guards already pin every input's size and stride: the per-call re-checks cost ~5% of a decode step;
+        # a bfloat16 / float16 model's intermediates rounded where eager rounds them (inductor keeps them
+        # in float32 otherwise): tiny DeepSeek-V2 / V3 in bfloat16 then gave eager `resident`'s tokens compiled
+        options = {"size_asserts": False, "alignment_asserts": False,
+                   "emulate_precision_casts": self.dtype != torch.float32}
         # cpp_wrapper (measured on CPU, bundled model): draft step 15% and decode step 12% faster,
         # about 10 s more compile per fused graph; off by default to keep warm-up short
         fused_options = options | {"triton.cudagraphs": self.cuda_graphs, "cpp_wrapper": cpp_wrapper}
@@ -47,7 +52,7 @@ class DecoderGraphs:
 
     def _embed_graph(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         h = F.embedding(tokens, self.embed)  # [T, H]
-        cos, sin = rope_tables(self.inv_freq, positions, self.arch.rope_scaling, h.dtype)
+        cos, sin = rope_tables(self.inv_freq, positions, self.arch.rope_scaling, rope_dtype(self.arch, h.dtype))
         return h, cos, sin
 
     def _head_graph(self, h: Tensor) -> Tensor:
