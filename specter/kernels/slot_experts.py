@@ -4,8 +4,9 @@ Contract:
 - ``gather_experts(x [T, H], ids [T, k], weights [T, k], gate_up [N, 2I, H], down [N, H, I],
   apply_gate) -> [T, H]`` in x's dtype: for every (token, slot) pair, expert ``ids[t, j]`` of the
   stacked tensors (a layer's own experts, or the cache's slot buffers) computes
-  ``down @ apply_gate(gate_up @ x)``, scaled by ``weights[t, j]`` and summed over the k pairs in
-  float32. The products are written as broadcast-multiply-and-sum over ``gate_up[ids]``, which
+  ``down @ apply_gate(gate_up @ x)``, scaled by ``weights[t, j]`` (the product promoted as the
+  eager kernels promote it: float32 where the weights are, as Mixtral's and DeepSeek's; the model's
+  dtype where they are in it) and summed over the k pairs. The products are written as broadcast-multiply-and-sum over ``gate_up[ids]``, which
   inductor lowers to one reduction loop that reads the chosen experts' rows in place: no weight
   copy, no data-dependent shape, so new ``ids`` (new cache contents) never recompile. Each pair
   reads its expert, so the cost grows with T*k: meant for decode and verification.
@@ -36,7 +37,7 @@ def gather_experts(
     h = (x[:, None, None, :] * gate_up[ids]).sum(-1)  # [T, k, 2I]
     a = apply_gate(h)  # [T, k, I]
     y = (a[:, :, None, :] * down[ids]).sum(-1)  # [T, k, H]
-    return (y.float() * weights[..., None].float()).sum(1).to(x.dtype)  # [T, H]
+    return (y * weights[..., None]).sum(1).to(x.dtype)  # [T, H]; products promote as the eager kernels' do
 
 
 def gather_biased_experts(
@@ -46,7 +47,7 @@ def gather_biased_experts(
     h = (x[:, None, :, None] * gate_up[ids]).sum(-2) + gate_up_bias[ids]  # [T, k, 2I]
     a = apply_gate(h)  # [T, k, I]
     y = (a[:, :, :, None] * down[ids]).sum(-2) + down_bias[ids]  # [T, k, H]
-    return (y.float() * weights[..., None].float()).sum(1).to(x.dtype)  # [T, H]
+    return (y * weights[..., None]).sum(1).to(x.dtype)  # [T, H]; products promote as the eager kernels' do
 
 
 def slots_for(table_row: Tensor, top_k_index: Tensor) -> tuple[Tensor, Tensor]:
