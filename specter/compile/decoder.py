@@ -115,7 +115,8 @@ class CompiledDecoder(DecoderGraphs):
         self.inv_freq = decoder.rotary_emb.inv_freq
         self.layers = [layer_weights_of(layer) for layer in decoder.layers]
         # the MoE layers' experts by decoder layer (DeepSeek's first layers are dense)
-        self.expert_modules = {i: layer.mlp.experts for i, layer in enumerate(decoder.layers) if hasattr(layer.mlp, "experts")}
+        self.expert_modules = {index: layer.mlp.experts for index, layer in enumerate(decoder.layers)
+                               if hasattr(layer.mlp, "experts")}
         first_experts = next(iter(self.expert_modules.values()))
         positions_limit = getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LEN)
         self.max_len = max_len or min(positions_limit, DEFAULT_MAX_LEN)

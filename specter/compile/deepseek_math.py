@@ -149,7 +149,8 @@ def latent_queries_keys_values(
     turn = rotate_pairs if latent.interleaved else rotate
     if latent.float_rope:  # V2: float32 complex numbers
         q_rope, k_rope = q_rope.float(), k_rope.float()
-    q_rope, k_rope = turn(q_rope, cos, sin).to(q.dtype), turn(k_rope[:, None, :], cos, sin).to(q.dtype)  # k: [T, 1, rope]
+    q_rope = turn(q_rope, cos, sin).to(q.dtype)
+    k_rope = turn(k_rope[:, None, :], cos, sin).to(q.dtype)  # [T, 1, rope]
     q = torch.cat((q_nope, q_rope), dim=-1)
     k = torch.cat((k_nope, k_rope.expand(num_tokens, n_heads, latent.rope_dim)), dim=-1)
     return q, k, v.contiguous()

@@ -40,8 +40,8 @@ Contract:
   are shared instead of recompiled per handle value. Their inputs depend on the previous layer's
   output and their result feeds this layer's experts (or its residual add), so the host runs
   after the previous layer and before this layer's experts are used (``layer``: the decoder
-  layer's index). The callback receives clones of its inputs (observers may keep them: inductor reuses a graph's buffers); a wrong
-  answer's shape or dtype is a clear error.
+  layer's index). The callback receives clones of its inputs (observers may keep them: inductor
+  reuses a graph's buffers); a wrong answer's shape or dtype is a clear error.
 Why: a fused cache step used to wait for every transfer in flight before it started; with
 ``layer_slots`` each layer waits only for its own experts, so transfers overlap the earlier
 layers. With ``layer_experts`` a layer's first experts are computed while its later ones still

@@ -6,7 +6,8 @@ compiled one on a CPU (native kernels serving; ``specter.compile.attach``), with
 graph; returns whether it did. ``LeanDraftStep.build(model, runtime)`` returns a step for models
 whose decoder ``specter.compile.decoder_math`` writes with RMSNorms (Mixtral, Qwen3-MoE, OLMoE,
 Qwen2-MoE without dense layers; not PhiMoE's LayerNorms, DeepSeek's latent attention nor GPT-OSS's
-sinks) and no sliding window, every decoder layer served by ``runtime``; otherwise None, and ``unsupported_reason(model, runtime)`` says why.
+sinks) and no sliding window, every decoder layer served by ``runtime``; otherwise None, and
+``unsupported_reason(model, runtime)`` says why.
 ``step(token, kv)`` runs one token id through every layer, appends its K/V to ``kv`` at the
 positions the model's own forward would (a transformers cache, or the compiled decoder's
 ``StaticKV``, written in place, its length advanced), computes the routed experts through

@@ -55,7 +55,7 @@ class Arch:
     latent: Latent | None = None  # multi-head latent attention (DeepSeek): n_kv_heads == n_heads
     groups: Groups | None = None  # a grouped router (DeepSeek)
     softmax_after_topk: bool = False  # top-k of the (biased) logits, then a softmax over those k (GPT-OSS)
-    per_layer_windows: bool = False  # each layer's own window (``LayerWeights.window``, GPT-OSS), not ``sliding_window``
+    per_layer_windows: bool = False  # each layer's own ``LayerWeights.window`` (GPT-OSS), not ``sliding_window``
 
     @property
     def value_dim(self) -> int:

@@ -71,7 +71,8 @@ class OwnExperts:
         self.kernel = _pairs_kernel(probe, self.gate_up[first], self.down[first], is_blocked(modules[first]),
                                     _biased(modules[first]))
 
-    def __call__(self, layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, layer: int, x: Tensor, top_k_index: Tensor,
+                 top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
         y = self.kernel(x, top_k_index, top_k_weights, self.gate_up[layer], self.down[layer], self.apply_gate,
                         *self.biases[layer])
         return y, None
@@ -96,7 +97,8 @@ class SlotExperts:
         self.host_handle = host.handle if host is not None else None
         self.host_computes = host is not None and host.computes
 
-    def __call__(self, layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, layer: int, x: Tensor, top_k_index: Tensor,
+                 top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
         if self.host_computes:
             return layer_experts(x, top_k_index, top_k_weights, layer, self.host_handle), None
         if self.host_handle is None:
@@ -116,7 +118,8 @@ class CompiledDraftExperts:
         self.draft = draft  # by decoder layer
         self.host_handle = host.draft_handle if host is not None else None
 
-    def __call__(self, layer: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, layer: int, x: Tensor, top_k_index: Tensor,
+                 top_k_weights: Tensor) -> tuple[Tensor, Tensor | None]:
         if self.host_handle is not None:
             x = layer_routed(x, top_k_index, top_k_weights, layer, self.host_handle)
         return self.draft[layer].forward_static(x, top_k_index, top_k_weights), None

@@ -6,10 +6,11 @@ Contract:
   stacked tensors (a layer's own experts, or the cache's slot buffers) computes
   ``down @ apply_gate(gate_up @ x)``, scaled by ``weights[t, j]`` (the product promoted as the
   eager kernels promote it: float32 where the weights are, as Mixtral's and DeepSeek's; the model's
-  dtype where they are in it) and summed over the k pairs. The products are written as broadcast-multiply-and-sum over ``gate_up[ids]``, which
-  inductor lowers to one reduction loop that reads the chosen experts' rows in place: no weight
-  copy, no data-dependent shape, so new ``ids`` (new cache contents) never recompile. Each pair
-  reads its expert, so the cost grows with T*k: meant for decode and verification.
+  dtype where they are in it) and summed over the k pairs. The products are written as
+  broadcast-multiply-and-sum over ``gate_up[ids]``, which inductor lowers to one reduction loop
+  that reads the chosen experts' rows in place: no weight copy, no data-dependent shape, so new
+  ``ids`` (new cache contents) never recompile. Each pair reads its expert, so the cost grows with
+  T*k: meant for decode and verification.
 - ``slots_for(table_row [E], top_k_index [T, k]) -> (slots [T, k], missing [] bool)``: the cache
   slot of every chosen expert, read from the device slot table (-1 = not resident). Absent
   experts are pointed at slot 0 so the result is always safe to index with; ``missing`` says

@@ -31,7 +31,8 @@ def test_the_grouped_routers_choose_as_the_models_own(arch: str, overrides: dict
     x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     _, expected_weights, expected_index = gate(x)
     groups = arch_of(model).groups
-    weights, index = grouped_select(groups, gate.top_k, F.linear(x, gate.weight), getattr(gate, "e_score_correction_bias", None))
+    bias = getattr(gate, "e_score_correction_bias", None)
+    weights, index = grouped_select(groups, gate.top_k, F.linear(x, gate.weight), bias)
     expected_weights, expected_index = _sorted(expected_weights, expected_index)
     weights, index = _sorted(weights, index)
     assert torch.equal(index, expected_index)
