@@ -117,6 +117,7 @@ class CompiledDecoder(DecoderGraphs):
         # the MoE layers' experts by decoder layer (DeepSeek's first layers are dense)
         self.expert_modules = {index: layer.mlp.experts for index, layer in enumerate(decoder.layers)
                                if hasattr(layer.mlp, "experts")}
+        self.moe_layers = list(self.expert_modules)  # their decoder indices, in order
         first_experts = next(iter(self.expert_modules.values()))
         positions_limit = getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LEN)
         self.max_len = max_len or min(positions_limit, DEFAULT_MAX_LEN)
@@ -272,7 +273,7 @@ class CompiledDecoder(DecoderGraphs):
         def fused() -> Tensor:
             if self.layer_host is None:
                 out = self._call_fused(self._draft_step, *graph_inputs(), kv)
-                out.replay(self.runtime, self.cache, "draft", list(self.expert_modules))
+                out.replay(self.runtime, self.cache, "draft", self.moe_layers)
             else:  # the graph tells the host each layer's routing as it runs
                 with self.layer_host.live():
                     out = self._call_fused(self._draft_step, *graph_inputs(), kv)
@@ -321,7 +322,7 @@ class CompiledDecoder(DecoderGraphs):
             return self._run_layered(tokens, positions, kv_index, kv)
         self.stats.fused_steps += 1
         if not self.host_layers:  # with host layers the observers and the cache saw each layer live
-            out.replay(self.runtime, self.cache, "target", list(self.expert_modules))
+            out.replay(self.runtime, self.cache, "target", self.moe_layers)
         return out.logits
 
     def _run_layered(self, tokens: Tensor, positions: Tensor, kv_index: Tensor, kv: StaticKV) -> Tensor:

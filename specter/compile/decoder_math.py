@@ -3,7 +3,8 @@ so that dynamo traces them whole (no data-dependent Python) and inductor fuses t
 
 Contract: the functions read ``Arch`` and ``LayerWeights`` (``specter.compile.model_weights``,
 which says which layouts they cover); ``attention_and_route`` runs one decoder layer up to its
-experts (DeepSeek's latent attention and grouped routers through ``specter.compile.deepseek_math``),
+experts (DeepSeek's latent attention in ``latent_queries_keys_values``, its interleaved RoPE and
+grouped routers from ``specter.compile.deepseek_math``),
 ``after_experts`` adds their output (and the shared expert's) to the residual, ``dense_layer`` is a
 dense layer's MLP. Shapes are given as ``# [T, H]`` comments (T tokens of this step).
 """
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specter.compile.deepseek_math import grouped_select, latent_queries_keys_values
+from specter.compile.deepseek_math import grouped_select, rotate_pairs
 from specter.compile.model_weights import Arch, GatedMLP, LayerWeights
 from specter.kernels import native_rows
 
@@ -129,6 +130,37 @@ def queries_keys_values(
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
+def latent_queries_keys_values(
+    arch: Arch, w: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """DeepSeek's multi-head latent attention inputs from a layer's normed input ``x [T, H]``: q, k
+    [T, nH, nope + rope] and v [T, nH, v_dim] (queries through the low-rank pair or one projection;
+    the compressed key/value latent normed and expanded per head; the one rotated key part
+    broadcast to every head). Keys and values are kept expanded in the decoder's K/V buffers (what
+    transformers expands from its latent cache at every step), so attention is plain SDPA."""
+    latent, weights, num_tokens = arch.latent, w.latent, x.shape[0]
+    if weights.q is not None:
+        q = linear(x, weights.q, None, arch.row_kernel)
+    else:
+        low_rank = rms_norm(linear(x, weights.q_a, weights.q_a_bias, arch.row_kernel), weights.q_a_norm, latent.eps)
+        q = linear(low_rank, weights.q_b, None, arch.row_kernel)
+    q = q.view(num_tokens, arch.n_heads, latent.nope_dim + latent.rope_dim)
+    q_nope, q_rope = q.split((latent.nope_dim, latent.rope_dim), dim=-1)
+    compressed = linear(x, weights.kv_a, weights.kv_a_bias, arch.row_kernel)  # [T, kv_rank + rope]
+    kv_latent, k_rope = compressed.split((latent.kv_rank, latent.rope_dim), dim=-1)
+    kv = linear(rms_norm(kv_latent, weights.kv_a_norm, latent.eps), weights.kv_b, None, arch.row_kernel)
+    kv = kv.view(num_tokens, arch.n_heads, latent.nope_dim + latent.v_dim)
+    k_nope, v = kv.split((latent.nope_dim, latent.v_dim), dim=-1)
+    turn = rotate_pairs if latent.interleaved else rotate
+    if latent.float_rope:  # V2: float32 complex numbers
+        q_rope, k_rope = q_rope.float(), k_rope.float()
+    q_rope = turn(q_rope, cos, sin).to(q.dtype)
+    k_rope = turn(k_rope[:, None, :], cos, sin).to(q.dtype)  # [T, 1, rope]
+    q = torch.cat((q_nope, q_rope), dim=-1)
+    k = torch.cat((k_nope, k_rope.expand(num_tokens, arch.n_heads, latent.rope_dim)), dim=-1)
+    return q, k, v.contiguous()
+
+
 def split_heads(arch: Arch, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor,
                 rms: Callable[[Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The projections ``[T, n * d]`` -> q [T, nH, d], k and v [T, nKV, d], q and k normed as the
@@ -160,8 +192,7 @@ def attention_and_route(
     num_tokens = h.shape[0]
     normed = norm(arch, h, w.input_norm, w.input_norm_bias)
     if arch.latent is not None:
-        project = lambda rows, weight, bias: linear(rows, weight, bias, arch.row_kernel)  # noqa: E731
-        q, k, v = latent_queries_keys_values(arch.latent, arch.n_heads, w.latent, normed, cos, sin, project, rotate)
+        q, k, v = latent_queries_keys_values(arch, w, normed, cos, sin)
     else:
         q, k, v = queries_keys_values(arch, w, normed, cos, sin)
     keys[:, :, positions] = k.transpose(0, 1)[None]  # [1, nKV, T, d] into [1, nKV, L, d], in place
@@ -205,8 +236,7 @@ def after_experts(arch: Arch, w: LayerWeights, h: Tensor, x: Tensor, routed: Ten
     a scale (the models' order). ``project(x, weight)`` computes ``x @ weight.T`` (default: ``linear``)."""
     if w.shared is None:
         return h + routed
-    if project is None:
-        project = lambda rows, weight: linear(rows, weight, None, arch.row_kernel)  # noqa: E731
+    project = project or _projection(arch)
     shared = gated_mlp(w.shared, x, project)  # [T, H]
     if w.shared.scale is not None:
         shared = torch.sigmoid(project(x, w.shared.scale)) * shared
@@ -215,7 +245,12 @@ def after_experts(arch: Arch, w: LayerWeights, h: Tensor, x: Tensor, routed: Ten
 
 def dense_layer(arch: Arch, w: LayerWeights, h: Tensor, x: Tensor) -> Tensor:
     """The residual ``h [T, H]`` after a dense layer's MLP on its normed input ``x``."""
-    return h + gated_mlp(w.dense, x, lambda rows, weight: linear(rows, weight, None, arch.row_kernel))
+    return h + gated_mlp(w.dense, x, _projection(arch))
+
+
+def _projection(arch: Arch) -> Callable[[Tensor, Tensor], Tensor]:
+    """``(x, weight) -> x @ weight.T`` through ``linear`` as the model's projections go."""
+    return lambda rows, weight: linear(rows, weight, None, arch.row_kernel)
 
 
 def gated_mlp(mlp: GatedMLP, x: Tensor, project: Callable[[Tensor, Tensor], Tensor]) -> Tensor:

@@ -1,20 +1,17 @@
-"""DeepSeek-V2/V3's layer math for the compiled decoder: multi-head latent attention, the grouped
-routers and the gated MLPs of their dense layers and shared experts. Plain functions over a
-layer's weights, traced by dynamo as ``specter.compile.decoder_math``'s are.
+"""DeepSeek-V2/V3's parts of the compiled decoder's math: what its multi-head latent attention and
+grouped routers read from a model, interleaved RoPE and the grouped routers' choice (plain
+functions traced by dynamo, as ``specter.compile.decoder_math``'s are, which writes the latent
+attention itself over these: ``latent_queries_keys_values``).
 
 Contract:
 - ``Latent`` (frozen, part of ``model_weights.Arch``): the attention's dimensions; ``latent_of(model)``
   reads them (None for llama-style attention). ``LatentWeights`` holds one layer's projections,
   ``latent_weights_of(attention)`` reads them.
-- ``latent_queries_keys_values(latent, w, x [T, H], cos, sin, project)`` -> q, k [T, nH, nope + rope]
-  and v [T, nH, v_dim]: the model's own attention inputs (queries through the low-rank pair or one
-  projection; the compressed key/value latent normed and expanded per head; the shared rotated key
-  part broadcast to every head). Keys and values are kept expanded in the decoder's K/V buffers
-  (what transformers expands from its latent cache at every step), so attention is plain SDPA.
-  Interleaved RoPE (DeepSeek-V2's complex pairs, V3's ``rope_interleave``) rotates each pair and
-  lays the rotated halves out de-interleaved, for queries and keys alike (their dot product is the
-  model's); V2 rotates in float32 (``Latent.float_rope``: the decoder's RoPE tables are then
-  float32, ``decoder_math.rope_dtype``), as its complex numbers do.
+- ``rotate_pairs(x, cos, sin)``: interleaved RoPE (DeepSeek-V2's complex pairs, V3's
+  ``rope_interleave``) rotates each pair and lays the rotated halves out de-interleaved, for
+  queries and keys alike (their dot product is the model's); V2 rotates in float32
+  (``Latent.float_rope``: the decoder's RoPE tables are then float32, ``decoder_math.rope_dtype``),
+  as its complex numbers do.
 - ``Groups`` (frozen, part of ``Arch``): a grouped router's constants; ``groups_of(model)``.
   ``grouped_select(groups, top_k, logits [T, E] float32, bias) -> (weights [T, k] float32, index
   [T, k])``: V2's softmax (``greedy`` or ``group_limited_greedy``) and V3's biased sigmoid over the
@@ -25,13 +22,11 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-Project = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]  # (x [T, K], weight [N, K], bias) -> [T, N]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +108,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE on consecutive pairs ``(x0, x1), (x2, x3), ...`` of ``x [T, n, d]`` (``cos``/``sin``
     [T, 1, d] as ``decoder_math.rope_tables``: each angle twice), rotated halves de-interleaved."""
@@ -126,34 +115,6 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     c, s = cos[..., :half], sin[..., :half]
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat((even * c - odd * s, odd * c + even * s), dim=-1)
-
-
-def latent_queries_keys_values(
-    latent: Latent, n_heads: int, w: LatentWeights, x: Tensor, cos: Tensor, sin: Tensor, project: Project,
-    rotate: Callable[[Tensor, Tensor, Tensor], Tensor],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """A layer's normed input ``x [T, H]`` -> q, k [T, nH, nope + rope], v [T, nH, v_dim]
-    (``rotate``: the llama-style rotation, for models whose RoPE is not interleaved)."""
-    num_tokens = x.shape[0]
-    if w.q is not None:
-        q = project(x, w.q, None)
-    else:
-        q = project(_rms(project(x, w.q_a, w.q_a_bias), w.q_a_norm, latent.eps), w.q_b, None)
-    q = q.view(num_tokens, n_heads, latent.nope_dim + latent.rope_dim)
-    q_nope, q_rope = q.split((latent.nope_dim, latent.rope_dim), dim=-1)
-    compressed = project(x, w.kv_a, w.kv_a_bias)  # [T, kv_rank + rope]
-    kv_latent, k_rope = compressed.split((latent.kv_rank, latent.rope_dim), dim=-1)
-    kv = project(_rms(kv_latent, w.kv_a_norm, latent.eps), w.kv_b, None)
-    kv = kv.view(num_tokens, n_heads, latent.nope_dim + latent.v_dim)
-    k_nope, v = kv.split((latent.nope_dim, latent.v_dim), dim=-1)
-    turn = rotate_pairs if latent.interleaved else rotate
-    if latent.float_rope:  # V2: float32 complex numbers
-        q_rope, k_rope = q_rope.float(), k_rope.float()
-    q_rope = turn(q_rope, cos, sin).to(q.dtype)
-    k_rope = turn(k_rope[:, None, :], cos, sin).to(q.dtype)  # [T, 1, rope]
-    q = torch.cat((q_nope, q_rope), dim=-1)
-    k = torch.cat((k_nope, k_rope.expand(num_tokens, n_heads, latent.rope_dim)), dim=-1)
-    return q, k, v.contiguous()
 
 
 def grouped_select(groups: Groups, top_k: int, logits: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:

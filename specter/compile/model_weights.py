@@ -116,6 +116,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return reason
     if not any(getattr(layer.mlp, "experts", None) is not None for layer in model.model.layers):
         return "no decoder layer has routed experts"
+    gpt_oss = config.model_type == "gpt_oss"  # its own expert layout: [in, out] with biases, read per pair
     for index, layer in enumerate(model.model.layers):
         mlp = getattr(layer, "mlp", None)
         experts = getattr(mlp, "experts", None)
@@ -125,7 +126,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return f"decoder layer {index} has no routed experts (dense layers only as DeepSeek's)"
         if _router_of(mlp) is None:
             return f"decoder layer {index}: no router found beside its experts"
-        gpt_oss = config.model_type == "gpt_oss"  # its own layout: [in, out] with biases, read per pair
         if not experts.has_gate or (experts.is_transposed, experts.has_bias) != (gpt_oss, gpt_oss):
             return (f"decoder layer {index}: only gated [out, in] experts without bias (GPT-OSS: [in, out] with "
                     "biases) are supported")
@@ -245,7 +245,6 @@ def _gated_mlp_of(mlp: nn.Module) -> GatedMLP | None:
 def _shared_expert_of(mlp: nn.Module) -> GatedMLP | None:
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:  # Qwen2-MoE's, behind its sigmoid gate
-        return GatedMLP(gate=shared.gate_proj.weight, up=shared.up_proj.weight, down=shared.down_proj.weight,
-                        scale=mlp.shared_expert_gate.weight)
+        return dataclasses.replace(_gated_mlp_of(shared), scale=mlp.shared_expert_gate.weight)
     shared = getattr(mlp, "shared_experts", None)  # DeepSeek's, unscaled
     return _gated_mlp_of(shared) if shared is not None else None
