@@ -16,6 +16,13 @@ os.environ.setdefault("SPECTER_VERIFY_COPIES", "1")  # every engine the tests bu
 
 
 @pytest.fixture(scope="session")
+def zoo_mixtral(tmp_path_factory) -> str:
+    """The zoo's default random Mixtral (2 MoE layers x 16 experts, top-2, hidden 64, seed 0), no
+    tokenizer: built once for every test that only needs some offloadable model (read-only)."""
+    return str(save_random_checkpoint("mixtral", tmp_path_factory.mktemp("zoo") / "mixtral", seed=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral(tmp_path_factory) -> Path:
     """A 4-layer, 16-expert top-2 random Mixtral (hidden 64) with a byte-level tokenizer."""
     path = save_random_checkpoint("mixtral", tmp_path_factory.mktemp("zoo") / "mixtral4", seed=0, layers=4)

@@ -3,7 +3,7 @@ losslessness check, ``first_mismatch``, and the command line ``python -m specter
 
 Zoo checkpoints ship no tokenizer, so the ones used with text prompts here get a byte-level
 tokenizer of exactly their 256-token vocabulary, built offline. The quickstart test runs the
-bundled ``tiny-moe`` and is skipped until that model has been trained into specter/data/tiny-moe.
+bundled ``tiny-moe`` (specter/data/tiny-moe, in the repository).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from specter.testing.zoo import random_model, save_byte_tokenizer, save_random_c
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-BUNDLED_CONFIG = REPO / "specter" / "data" / "tiny-moe" / "config.json"
 PROMPT_IDS = torch.tensor([[1, 17, 93, 4, 250, 31, 8, 66, 140, 7]])
 MAX_NEW = 10
 TEXT_PROMPTS = ["def f(x):\n", "import os\n"]
@@ -248,8 +247,6 @@ def test_cli_runs_a_recipe_end_to_end(checkpoint, tmp_path):
     assert f"report written to {report_path}" in stdout
 
 
-@pytest.mark.skipif(not BUNDLED_CONFIG.exists(),
-                    reason=f"the bundled tiny-moe model is not trained yet ({BUNDLED_CONFIG} is missing)")
 def test_cli_quickstart_with_the_bundled_model(tmp_path):
     report_path = tmp_path / "r.json"
     process = cli("recipes/quickstart.yaml", "--set", "max_new_tokens=8", "--set", "max_prompts=1",

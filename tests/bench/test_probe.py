@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import specter
 from specter.errors import SpecterError
@@ -15,12 +14,6 @@ from specter.run import main
 from specter.testing.zoo import save_byte_tokenizer, save_random_checkpoint
 
 TEXTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55, 3, 9, 120, 44] * 2, [1, 200, 5, 77, 12]]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    torch.set_num_threads(1)
-    return str(save_random_checkpoint("mixtral", tmp_path_factory.mktemp("probe") / "mixtral", seed=0))
 
 
 def recipe(path: str, budget: float = 0.5, **extra) -> dict:
@@ -39,8 +32,8 @@ class TargetExperts:
         return self.runtime._forward_from_slots(self.layer, module, hidden, top_k_index, top_k_weights)
 
 
-def test_probe_reports_rates_for_every_moe_layer(checkpoint):
-    engine = specter.load(recipe(checkpoint))
+def test_probe_reports_rates_for_every_moe_layer(zoo_mixtral):
+    engine = specter.load(recipe(zoo_mixtral))
     observers = list(engine.runtime.observers)
     result = probe(engine, TEXTS, max_tokens_per_text=20)
     assert engine.runtime.observers == observers and engine.runtime.mode == "target"
@@ -66,8 +59,8 @@ def test_probe_reports_rates_for_every_moe_layer(checkpoint):
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.1])  # 0.1: the target streams experts through 3 slots
-def test_a_draft_that_is_the_target_agrees_exactly(checkpoint, budget):
-    engine = specter.load(recipe(checkpoint, budget))
+def test_a_draft_that_is_the_target_agrees_exactly(zoo_mixtral, budget):
+    engine = specter.load(recipe(zoo_mixtral, budget))
     engine.runtime.draft = {layer: TargetExperts(engine.runtime, layer) for layer in engine.runtime.layers}
     result = probe(engine, TEXTS)
     assert result["draft_exact"] == 1.0 and result["draft_recall"] == 1.0
@@ -77,21 +70,21 @@ def test_a_draft_that_is_the_target_agrees_exactly(checkpoint, budget):
     engine.close()
 
 
-def test_sampling_recipe_reports_acceptance_under_its_own_temperature(checkpoint):
-    engine = specter.load(recipe(checkpoint, sampling={"temperature": 0.7, "top_k": 20}))
+def test_sampling_recipe_reports_acceptance_under_its_own_temperature(zoo_mixtral):
+    engine = specter.load(recipe(zoo_mixtral, sampling={"temperature": 0.7, "top_k": 20}))
     result = probe(engine, TEXTS[:1])
     assert 0.0 <= result["sampled_acceptance"]["recipe"] <= 1.0
     assert result["sampling"] == {"temperature": 0.7, "top_p": 1.0, "top_k": 20}
     engine.close()
 
 
-def test_probe_needs_the_specter_engine(checkpoint):
-    engine = specter.load(recipe(checkpoint) | {"engine": "ondemand"})
+def test_probe_needs_the_specter_engine(zoo_mixtral):
+    engine = specter.load(recipe(zoo_mixtral) | {"engine": "ondemand"})
     with pytest.raises(SpecterError, match="engine: specter"):
         probe(engine, TEXTS)
     engine.close()
     with pytest.raises(SpecterError, match="engine: ondemand"):
-        probe_texts(load_recipe(recipe(checkpoint) | {"engine": "ondemand"}))
+        probe_texts(load_recipe(recipe(zoo_mixtral) | {"engine": "ondemand"}))
 
 
 def test_read_texts(tmp_path):

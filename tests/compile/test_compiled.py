@@ -31,12 +31,6 @@ PROMPTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55, 3, 9, 120, 44, 19, 23
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("compiled") / "mixtral"
-    return str(save_random_checkpoint("mixtral", path, seed=0, hidden=64, intermediate=64, layers=2))
-
-
 def recipe(path: str, engine: str, compile: bool, budget: float = 0.25, k: int = 4, link: dict | None = None) -> dict:
     return {"model": path, "engine": engine, "max_new_tokens": MAX_NEW, "threads": 1, "compile": compile,
             "offload": {"link": link or {"kind": "local"}, "expert_budget": budget},
@@ -44,13 +38,13 @@ def recipe(path: str, engine: str, compile: bool, budget: float = 0.25, k: int =
 
 
 @pytest.fixture(scope="module")
-def eager_resident(checkpoint) -> list[list[int]]:
-    return specter.load(recipe(checkpoint, "resident", compile=False)).generate(PROMPTS).token_ids
+def eager_resident(zoo_mixtral) -> list[list[int]]:
+    return specter.load(recipe(zoo_mixtral, "resident", compile=False)).generate(PROMPTS).token_ids
 
 
 @pytest.mark.slow
-def test_compiled_resident_matches_eager(checkpoint, eager_resident):
-    engine = specter.load(recipe(checkpoint, "resident", compile=True))
+def test_compiled_resident_matches_eager(zoo_mixtral, eager_resident):
+    engine = specter.load(recipe(zoo_mixtral, "resident", compile=True))
     report = engine.generate(PROMPTS).report
     assert [o["token_ids"] for o in report["outputs"]] == eager_resident
     compiled = report["compile"]
@@ -61,13 +55,13 @@ def test_compiled_resident_matches_eager(checkpoint, eager_resident):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine_name", ["ondemand", "specter", "router-lookahead"])
-def test_compiled_offloaded_engines_match_eager(checkpoint, eager_resident, engine_name):
+def test_compiled_offloaded_engines_match_eager(zoo_mixtral, eager_resident, engine_name):
     # synchronous copies: with a copy thread, which prefetch finds room depends on when copies end
     synchronous = {"kind": "local", "options": {"copy_thread": False}}
     # k = 3: a verification's 4 tokens x top-2 fit the 8 slots, so it may take the fused graph
-    eager = specter.load(recipe(checkpoint, engine_name, compile=False, k=3, link=synchronous))
+    eager = specter.load(recipe(zoo_mixtral, engine_name, compile=False, k=3, link=synchronous))
     eager_report = eager.generate(PROMPTS).report
-    engine = specter.load(recipe(checkpoint, engine_name, compile=True, k=3, link=synchronous))
+    engine = specter.load(recipe(zoo_mixtral, engine_name, compile=True, k=3, link=synchronous))
     report = engine.generate(PROMPTS).report
     assert [o["token_ids"] for o in report["outputs"]] == eager_resident
     assert report["compile"]["late_graphs"] == 0
@@ -89,16 +83,16 @@ def test_compiled_offloaded_engines_match_eager(checkpoint, eager_resident, engi
 @pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("computes", ["graph", "host"])
-def test_compiled_engines_read_blocked_experts_losslessly(checkpoint, eager_resident, computes, monkeypatch,
+def test_compiled_engines_read_blocked_experts_losslessly(zoo_mixtral, eager_resident, computes, monkeypatch,
                                                           tmp_path):
     """With the blocked layout's size floor lowered, compiled ``resident`` (its own modules in the
     graph) and compiled ``specter`` (the slots through the table in the graph, or computed by the
     host at each layer) give the standard layout's tokens, after graphs of the same shapes were
     compiled for the standard layout (the layout is part of what the graphs trace). The model is
-    the module's checkpoint saved again elsewhere (the same weights), so no standard host store of
+    the module's zoo_mixtral saved again elsewhere (the same weights), so no standard host store of
     an earlier test is shared; the graphs' caches are reset after, so the two layouts' graphs do
     not count against later tests' recompile limit."""
-    standard = specter.load(recipe(checkpoint, "resident", compile=True))
+    standard = specter.load(recipe(zoo_mixtral, "resident", compile=True))
     assert [o["token_ids"] for o in standard.generate(PROMPTS).report["outputs"]] == eager_resident
     standard.close()
     again = str(save_random_checkpoint("mixtral", tmp_path / "mixtral", seed=0, hidden=64, intermediate=64, layers=2))
@@ -134,20 +128,20 @@ class CyclingGovernor(Governor):
 
 
 @pytest.mark.parametrize("draft", ["lean", "graph"])
-def test_no_recompilation_after_warm_up(checkpoint, draft):
+def test_no_recompilation_after_warm_up(zoo_mixtral, draft):
     """256 new tokens with k cycling through 1..32 (wider than the fused step: layered), prompts of two lengths, cache misses and
     hits, the sequence crossing many attention spans: not one graph compiled after warm-up, no
     graph break, and the eager resident engine's greedy tokens. Drafting with the lean step (a
     CPU's default) and with the draft graph (taken where no lean step serves)."""
     if draft == "lean" and not native.available():
         pytest.skip(f"native kernels: {native.unavailable_reason()}")
-    resident = specter.load(recipe(checkpoint, "resident", compile=False))
+    resident = specter.load(recipe(zoo_mixtral, "resident", compile=False))
     resident.eos_token_id = None
     expected = resident.generate(PROMPTS, max_new_tokens=256).token_ids
     # a link whose copies overlap compute: rounds run the routing-only draft step, so verification
     # finds every expert predicted and the fused graph runs (on `local` the layered one does)
     link = {"kind": "emulated", "gbps": 50.0, "latency_us": 1}
-    engine = specter.load(recipe(checkpoint, "specter", compile=False, budget=0.25, link=link))
+    engine = specter.load(recipe(zoo_mixtral, "specter", compile=False, budget=0.25, link=link))
     engine.governor = CyclingGovernor([1, 3, 16, 2, 7, 32, 12, 5, 20, 9, 4])
     engine.eos_token_id = None  # random weights may emit EOS; run the full length
     if draft == "graph":

@@ -11,7 +11,6 @@ import torch
 import specter
 from specter.compile import host_layer
 from specter.compile.parts import StepOutput
-from specter.testing.zoo import save_random_checkpoint
 
 torch.set_num_threads(1)
 
@@ -69,14 +68,8 @@ def test_a_wrong_answer_or_a_missing_host_is_a_clear_error(op, wrong, expected):
         getattr(host_layer, op)(x, index, weights, 0, handle, *([6] if op == "layer_slots" else []))
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("host_layer") / "mixtral"
-    return str(save_random_checkpoint("mixtral", path, seed=0, hidden=64, intermediate=64, layers=2))
-
-
-def specter_recipe(checkpoint: str, budget: float, k: int, tokens: int) -> dict:
-    return {"model": checkpoint, "engine": "specter", "max_new_tokens": tokens, "threads": 1, "compile": True,
+def specter_recipe(zoo_mixtral: str, budget: float, k: int, tokens: int) -> dict:
+    return {"model": zoo_mixtral, "engine": "specter", "max_new_tokens": tokens, "threads": 1, "compile": True,
             "offload": {"link": {"kind": "local"}, "expert_budget": budget},
             "speculation": {"governor": {"name": "fixed", "k": k}}}
 
@@ -87,10 +80,10 @@ def resident_tokens(recipe: dict) -> list:
 
 
 @pytest.mark.parametrize("computes", [False, True])
-def test_fused_cache_steps_load_misses_live_and_never_drain(checkpoint, monkeypatch, computes):
+def test_fused_cache_steps_load_misses_live_and_never_drain(zoo_mixtral, monkeypatch, computes):
     monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
     synchronous = {"kind": "local", "options": {"copy_thread": False}}
-    recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 12, "threads": 1, "compile": True,
+    recipe = {"model": zoo_mixtral, "engine": "ondemand", "max_new_tokens": 12, "threads": 1, "compile": True,
               "offload": {"link": synchronous, "expert_budget": 0.25}}
     expected = resident_tokens(recipe)
     engine = specter.load(recipe)
@@ -111,10 +104,10 @@ def test_fused_cache_steps_load_misses_live_and_never_drain(checkpoint, monkeypa
     assert [layer for layer, _ in seen] == [0, 1] * (steps + layered)  # each layer once per step, in order
 
 
-def test_a_host_that_computes_a_layer_computes_its_first_experts_while_its_others_still_copy(checkpoint, monkeypatch):
+def test_a_host_that_computes_a_layer_computes_its_first_experts_while_its_others_still_copy(zoo_mixtral, monkeypatch):
     monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0)
     slow = {"kind": "emulated", "gbps": 0.02, "latency_us": 200}  # a tiny expert's copy takes ~2 ms
-    recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 8, "threads": 1, "compile": True,
+    recipe = {"model": zoo_mixtral, "engine": "ondemand", "max_new_tokens": 8, "threads": 1, "compile": True,
               "offload": {"link": slow, "expert_budget": 0.5}}
     expected = resident_tokens(recipe)
     engine = specter.load(recipe)
@@ -135,8 +128,8 @@ def test_a_host_that_computes_a_layer_computes_its_first_experts_while_its_other
     assert sum(overlap_in_fused) > 0  # some layer computed an early wave beside a copy still in flight
 
 
-def test_the_host_computes_the_experts_that_hold_at_least_the_threshold(checkpoint, monkeypatch):
-    recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 4, "threads": 1, "compile": True,
+def test_the_host_computes_the_experts_that_hold_at_least_the_threshold(zoo_mixtral, monkeypatch):
+    recipe = {"model": zoo_mixtral, "engine": "ondemand", "max_new_tokens": 4, "threads": 1, "compile": True,
               "offload": {"link": {"kind": "local"}, "expert_budget": 0.5}}
     engine = specter.load(recipe)
     expert_bytes = sum(slots[0].nbytes for slots in engine.cache.slots.values())
@@ -147,9 +140,9 @@ def test_the_host_computes_the_experts_that_hold_at_least_the_threshold(checkpoi
     engine.close()
 
 
-def test_a_computing_host_verifies_rounds_wider_than_the_cache_in_the_fused_step(checkpoint, monkeypatch):
+def test_a_computing_host_verifies_rounds_wider_than_the_cache_in_the_fused_step(zoo_mixtral, monkeypatch):
     monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0)
-    recipe = specter_recipe(checkpoint, 0.15, k=6, tokens=12)
+    recipe = specter_recipe(zoo_mixtral, 0.15, k=6, tokens=12)
     expected = resident_tokens(recipe)
     engine = specter.load(recipe)
     decoder = engine.compiled
@@ -177,8 +170,8 @@ def test_a_computing_host_verifies_rounds_wider_than_the_cache_in_the_fused_step
     assert decoder.stats.fused_misses == 0
 
 
-def test_a_fused_draft_step_tells_the_observers_each_layer_while_it_runs(checkpoint, monkeypatch):
-    recipe = specter_recipe(checkpoint, 0.5, k=3, tokens=10)
+def test_a_fused_draft_step_tells_the_observers_each_layer_while_it_runs(zoo_mixtral, monkeypatch):
+    recipe = specter_recipe(zoo_mixtral, 0.5, k=3, tokens=10)
     expected = resident_tokens(recipe)
     engine = specter.load(recipe)
     decoder = engine.compiled
@@ -199,9 +192,9 @@ def test_a_fused_draft_step_tells_the_observers_each_layer_while_it_runs(checkpo
 
 
 @pytest.mark.parametrize("computes", [False, True])
-def test_the_chooser_discounts_transfer_waits_only_where_both_paths_wait_alike(checkpoint, monkeypatch, computes):
+def test_the_chooser_discounts_transfer_waits_only_where_both_paths_wait_alike(zoo_mixtral, monkeypatch, computes):
     monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
-    recipe = {"model": checkpoint, "engine": "ondemand", "max_new_tokens": 2, "threads": 1, "compile": True,
+    recipe = {"model": zoo_mixtral, "engine": "ondemand", "max_new_tokens": 2, "threads": 1, "compile": True,
               "offload": {"link": {"kind": "local"}, "expert_budget": 0.5}}
     engine = specter.load(recipe)
     decoder, passed = engine.compiled, {}
@@ -215,10 +208,10 @@ def test_the_chooser_discounts_transfer_waits_only_where_both_paths_wait_alike(c
 
 
 @pytest.mark.parametrize("computes", [False, True])
-def test_a_computing_host_runs_every_verification_fused_and_others_let_the_chooser_pick(checkpoint, monkeypatch,
+def test_a_computing_host_runs_every_verification_fused_and_others_let_the_chooser_pick(zoo_mixtral, monkeypatch,
                                                                                        computes):
     monkeypatch.setattr(host_layer, "COMPUTES_MIN_BYTES", 0 if computes else 1 << 40)
-    recipe = specter_recipe(checkpoint, 0.5, k=3, tokens=10)
+    recipe = specter_recipe(zoo_mixtral, 0.5, k=3, tokens=10)
     expected = resident_tokens(recipe)
     engine = specter.load(recipe)
     decoder, keys = engine.compiled, []

@@ -141,3 +141,18 @@ def test_fuzz_yaml_text(fuzz_dir, text):
         assert message.startswith(candidate_starts(raw, [])), message
         return
     assert isinstance(recipe, Recipe)
+
+
+def test_the_fuzz_oracles_accept_valid_recipes_and_name_bad_keys():
+    """The fuzz tests accept either outcome; here both are pinned: the valid recipe and valid
+    overrides of it load with their values, and a bad value is refused naming its key."""
+    recipe = load_recipe(copy.deepcopy(VALID))
+    budget = recipe.offload.expert_budget
+    assert (recipe.engine, budget.kind, budget.value) == ("ondemand", "fraction", 0.25)
+    assert recipe.speculation.governor.k == 4
+    changed = load_recipe(copy.deepcopy(VALID), ["offload.expert_budget=0.5", "speculation.governor.k=8"])
+    assert (changed.offload.expert_budget.value, changed.speculation.governor.k) == (0.5, 8)
+    with pytest.raises(SpecterError) as refused:
+        load_recipe(copy.deepcopy(VALID), ["offload.expert_budget=-3"])
+    assert str(refused.value).startswith("offload.expert_budget"), str(refused.value)
+    check_outcome(copy.deepcopy(VALID), ["offload.expert_budget=-3"])

@@ -15,7 +15,6 @@ from specter.decode.engine import ResidentEngine
 from specter.errors import BudgetError, SpecterError
 from specter.config import load_recipe
 from specter.report.schema import REPORT_KEYS, SCHEMA
-from specter.testing.zoo import save_random_checkpoint
 
 torch.set_num_threads(1)
 
@@ -23,11 +22,6 @@ ENGINES = ("resident", "ondemand", "router-lookahead", "specter")
 PROMPTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7], [1, 200, 5, 77, 12]]
 MAX_NEW = 8
 N_LAYERS, N_EXPERTS, TOP_K = 2, 16, 2
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return str(save_random_checkpoint("mixtral", tmp_path_factory.mktemp("zoo") / "mixtral", seed=0))
 
 
 def recipe(path: str, engine: str, **extra) -> dict:
@@ -39,10 +33,10 @@ def recipe(path: str, engine: str, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reports(checkpoint) -> dict[str, dict]:
+def reports(zoo_mixtral) -> dict[str, dict]:
     out = {}
     for name in ENGINES:
-        engine = specter.load(recipe(checkpoint, name))
+        engine = specter.load(recipe(zoo_mixtral, name))
         out[name] = engine.generate(PROMPTS).report
         engine.close()
     return out
@@ -116,8 +110,8 @@ def test_offloaded_engines_dense_bytes_agree_and_exclude_experts(reports):
     assert spec["device_bytes"]["total"] > ondemand["device_bytes"]["total"]  # plus the resident INT4 draft
 
 
-def test_counters_cover_one_generate_call(checkpoint):
-    engine = specter.load(recipe(checkpoint, "ondemand"))
+def test_counters_cover_one_generate_call(zoo_mixtral):
+    engine = specter.load(recipe(zoo_mixtral, "ondemand"))
     first = engine.generate(PROMPTS).report
     second = engine.generate(PROMPTS).report
     engine.close()
@@ -126,10 +120,10 @@ def test_counters_cover_one_generate_call(checkpoint):
     assert first["outputs"] == second["outputs"]
 
 
-def test_emulated_link_is_labelled_and_waits_are_measured(checkpoint):
+def test_emulated_link_is_labelled_and_waits_are_measured(zoo_mixtral):
     # 2 ms a transfer: a wait of 0 needs the copy done before the engine waits for it, which with
     # 50 us happened once in a CI run (every load of a short generation finished first)
-    engine = specter.load(recipe(checkpoint, "ondemand",
+    engine = specter.load(recipe(zoo_mixtral, "ondemand",
                                  offload={"link": {"kind": "emulated", "gbps": 0.5, "latency_us": 2000},
                                           "expert_budget": 0.25}))
     report = engine.generate(PROMPTS[:1]).report
@@ -140,29 +134,29 @@ def test_emulated_link_is_labelled_and_waits_are_measured(checkpoint):
 
 
 @pytest.mark.parametrize("engine", ("ondemand", "specter"))
-def test_budget_below_top_k_raises_budget_error_naming_the_key(engine, checkpoint):
+def test_budget_below_top_k_raises_budget_error_naming_the_key(engine, zoo_mixtral):
     with pytest.raises(BudgetError, match="offload.expert_budget") as info:
-        build_engine(load_recipe(recipe(checkpoint, engine, offload={"expert_budget": {"experts": TOP_K - 1}})))
+        build_engine(load_recipe(recipe(zoo_mixtral, engine, offload={"expert_budget": {"experts": TOP_K - 1}})))
     assert f"needs {TOP_K} experts" in str(info.value)
 
 
-def test_text_prompts_need_a_tokenizer(checkpoint):
-    engine = specter.load(recipe(checkpoint, "resident"))
+def test_text_prompts_need_a_tokenizer(zoo_mixtral):
+    engine = specter.load(recipe(zoo_mixtral, "resident"))
     assert isinstance(engine, ResidentEngine) and engine.tokenizer is None
     with pytest.raises(SpecterError, match="no tokenizer"):
         engine.generate(["def f(x):"])
 
 
-def test_cuda_device_without_cuda_is_refused(checkpoint):
+def test_cuda_device_without_cuda_is_refused(zoo_mixtral):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(SpecterError, match="device"):
-        specter.load(recipe(checkpoint, "resident", device="cuda"))
+        specter.load(recipe(zoo_mixtral, "resident", device="cuda"))
 
 
 @pytest.mark.parametrize("name", ("resident", "specter"))
-def test_on_tokens_streams_every_step_and_an_exception_cancels(name, checkpoint):
-    engine = specter.load(recipe(checkpoint, name))
+def test_on_tokens_streams_every_step_and_an_exception_cancels(name, zoo_mixtral):
+    engine = specter.load(recipe(zoo_mixtral, name))
     seen: list[list[int]] = []
     result = engine.generate(PROMPTS[:1], on_tokens=lambda index, ids: seen.append(list(ids)))
     assert seen[0] == result.token_ids[0][:1] and seen[-1] == result.token_ids[0]
@@ -181,10 +175,10 @@ def test_on_tokens_streams_every_step_and_an_exception_cancels(name, checkpoint)
     engine.close()
 
 
-def test_stop_decoding_ends_the_prompt_with_its_tokens_and_a_full_report(checkpoint):
+def test_stop_decoding_ends_the_prompt_with_its_tokens_and_a_full_report(zoo_mixtral):
     from specter.decode.engine import StopDecoding
 
-    engine = specter.load(recipe(checkpoint, "specter"))
+    engine = specter.load(recipe(zoo_mixtral, "specter"))
     full = engine.generate(PROMPTS[:2])
 
     def stop_after_five(index, ids):
@@ -200,10 +194,10 @@ def test_stop_decoding_ends_the_prompt_with_its_tokens_and_a_full_report(checkpo
     engine.close()
 
 
-def test_per_call_sampling_and_seed_override_the_recipe(checkpoint):
+def test_per_call_sampling_and_seed_override_the_recipe(zoo_mixtral):
     from specter.decode.sampling import SamplingParams
 
-    engine = specter.load(recipe(checkpoint, "resident"))
+    engine = specter.load(recipe(zoo_mixtral, "resident"))
     greedy = engine.generate(PROMPTS[:1]).token_ids
     hot = SamplingParams(temperature=5.0)
     first = engine.generate(PROMPTS[:1], sampling=hot, seed=7).token_ids
@@ -214,15 +208,15 @@ def test_per_call_sampling_and_seed_override_the_recipe(checkpoint):
 
 
 @pytest.mark.parametrize("bad", (0, -5, 2.5, True))
-def test_max_new_tokens_is_checked_like_the_recipe(bad, checkpoint):
-    engine = specter.load(recipe(checkpoint, "resident"))
+def test_max_new_tokens_is_checked_like_the_recipe(bad, zoo_mixtral):
+    engine = specter.load(recipe(zoo_mixtral, "resident"))
     with pytest.raises(SpecterError, match="max_new_tokens"):
         engine.generate(PROMPTS[:1], max_new_tokens=bad)
     engine.close()
 
 
-def test_prompt_plus_generation_beyond_the_context_length_is_refused_before_work(checkpoint):
-    engine = specter.load(recipe(checkpoint, "ondemand"))
+def test_prompt_plus_generation_beyond_the_context_length_is_refused_before_work(zoo_mixtral):
+    engine = specter.load(recipe(zoo_mixtral, "ondemand"))
     limit = engine.context_length
     assert limit is not None
     with pytest.raises(SpecterError, match=f"context length {limit}"):
@@ -234,10 +228,10 @@ def test_prompt_plus_generation_beyond_the_context_length_is_refused_before_work
     engine.close()
 
 
-def test_generate_by_prompt_yields_between_prompts_and_times_only_its_own_work(checkpoint):
+def test_generate_by_prompt_yields_between_prompts_and_times_only_its_own_work(zoo_mixtral):
     import time
 
-    engine = specter.load(recipe(checkpoint, "specter"))
+    engine = specter.load(recipe(zoo_mixtral, "specter"))
     whole = engine.generate(PROMPTS)
     steps = engine.generate_by_prompt(PROMPTS)
     assert next(steps) == 0  # the first prompt is decoded; the second is not begun
@@ -254,9 +248,9 @@ def test_generate_by_prompt_yields_between_prompts_and_times_only_its_own_work(c
     engine.close()
 
 
-def test_leaving_a_with_block_closes_the_engine_and_its_link(checkpoint):
+def test_leaving_a_with_block_closes_the_engine_and_its_link(zoo_mixtral):
     link = {"kind": "emulated", "gbps": 1.0}
-    with specter.load(recipe(checkpoint, "ondemand", offload={"expert_budget": 0.5, "link": link})) as engine:
+    with specter.load(recipe(zoo_mixtral, "ondemand", offload={"expert_budget": 0.5, "link": link})) as engine:
         assert engine.link.alive
         engine.generate([[1, 17, 93]], max_new_tokens=2)
     assert not engine.link.alive

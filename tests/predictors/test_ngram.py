@@ -10,7 +10,6 @@ from specter.errors import SpecterError
 from specter.decode.kv import forward_logits, new_kv_cache
 from specter.plugins import registry
 from specter.predictors.ngram import NgramPredictor
-from specter.testing.zoo import save_random_checkpoint
 
 
 def test_longest_suffix_match_wins_over_a_more_recent_shorter_one():
@@ -96,14 +95,8 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    torch.set_num_threads(1)
-    return str(save_random_checkpoint("mixtral", tmp_path_factory.mktemp("ngram") / "mixtral", seed=0))
-
-
-def test_specter_with_ngram_drafting_is_lossless_and_drafts(checkpoint):
-    common = {"model": checkpoint, "max_new_tokens": 24, "threads": 1,
+def test_specter_with_ngram_drafting_is_lossless_and_drafts(zoo_mixtral):
+    common = {"model": zoo_mixtral, "max_new_tokens": 24, "threads": 1,
               "offload": {"link": {"kind": "local"}, "expert_budget": 0.25}}
     resident = specter.load(common | {"engine": "resident"}).generate(PROMPTS)
     engine = specter.load(common | {"engine": "specter",

@@ -3,20 +3,13 @@ with the bits of one pass, and its early experts' slots go to the next predictio
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import specter
-from specter.testing.zoo import save_random_checkpoint
 
 torch.set_num_threads(1)
 PROMPTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55], [1, 200, 5, 77, 12]]
 SLOW = {"kind": "emulated", "gbps": 0.02, "latency_us": 200}  # a tiny expert's copy takes ~5 ms
-
-
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory) -> str:
-    return str(save_random_checkpoint("mixtral", tmp_path_factory.mktemp("zoo") / "mixtral", seed=0))
 
 
 def load(path: str, engine: str, link: dict, budget: float = 0.25):
@@ -48,11 +41,11 @@ def first_layer_inputs(engine, gen: torch.Generator, tokens: int) -> tuple:
     return layer, module, hidden, index, torch.rand(tokens, 2, generator=gen)
 
 
-def test_a_layer_computed_in_waves_has_the_bits_of_one_pass(mixtral):
+def test_a_layer_computed_in_waves_has_the_bits_of_one_pass(zoo_mixtral):
     gen = torch.Generator().manual_seed(0)
     outputs = {}
     for waves in (True, False):
-        with load(mixtral, "ondemand", SLOW, budget=0.5) as engine:
+        with load(zoo_mixtral, "ondemand", SLOW, budget=0.5) as engine:
             engine.runtime.waves = waves
             releases = count_releases(engine)
             gen.manual_seed(0)
@@ -69,16 +62,16 @@ def test_a_layer_computed_in_waves_has_the_bits_of_one_pass(mixtral):
     assert torch.equal(outputs[True], outputs[False])
 
 
-def test_waves_on_a_slow_link_decode_as_resident_and_hand_freed_slots_to_the_scheduler(mixtral):
-    with load(mixtral, "resident", {"kind": "local"}) as reference:
+def test_waves_on_a_slow_link_decode_as_resident_and_hand_freed_slots_to_the_scheduler(zoo_mixtral):
+    with load(zoo_mixtral, "resident", {"kind": "local"}) as reference:
         expected = reference.generate(PROMPTS).token_ids
-    with load(mixtral, "specter", SLOW) as engine:
+    with load(zoo_mixtral, "specter", SLOW) as engine:
         releases = count_releases(engine)
         assert engine.generate(PROMPTS).token_ids == expected
         assert releases and engine.scheduler.stats.streamed > 0
 
 
-def test_a_layer_whose_experts_are_all_ready_is_one_native_wave_with_the_bits_of_one_pass(mixtral, monkeypatch):
+def test_a_layer_whose_experts_are_all_ready_is_one_native_wave_with_the_bits_of_one_pass(zoo_mixtral, monkeypatch):
     from specter.kernels import grouped_experts
 
     gen = torch.Generator().manual_seed(1)
@@ -90,7 +83,7 @@ def test_a_layer_whose_experts_are_all_ready_is_one_native_wave_with_the_bits_of
         return compute(self, experts, slots, gate_up, down)
     monkeypatch.setattr(grouped_experts.PairsByExpert, "compute", counted)
     for waves in (True, False):
-        with load(mixtral, "ondemand", {"kind": "local"}, budget=0.5) as engine:
+        with load(zoo_mixtral, "ondemand", {"kind": "local"}, budget=0.5) as engine:
             engine.runtime.waves = waves
             gen.manual_seed(1)
             layer, module, hidden, index, weights = first_layer_inputs(engine, gen, 5)
