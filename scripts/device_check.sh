@@ -9,7 +9,7 @@
 # $OUT when it is set, else reports/device-check/.
 # Python: $PYTHON if set, else a python3 whose torch sees a GPU, else .venv with torch from PyPI.
 # Offline machines: wheels for missing packages in .whl/ are installed into /tmp/site first
-# (e.g. torchao; see the note in README's GPU section).
+# (e.g. torchao; see the note under README's "Tests").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-reports/device-check}"
