@@ -15,11 +15,30 @@ torch.set_num_threads(1)
 os.environ.setdefault("SPECTER_VERIFY_COPIES", "1")  # every engine the tests build checks its copies
 
 
+class _BuiltOnFirstUse(dict):
+    """Layout name -> the zoo's default random checkpoint of it (seed 0), saved on first lookup."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch: str) -> str:
+        self[arch] = path = str(save_random_checkpoint(arch, self.root / arch, seed=0))
+        return path
+
+
 @pytest.fixture(scope="session")
-def zoo_mixtral(tmp_path_factory) -> str:
-    """The zoo's default random Mixtral (2 MoE layers x 16 experts, top-2, hidden 64, seed 0), no
-    tokenizer: built once for every test that only needs some offloadable model (read-only)."""
-    return str(save_random_checkpoint("mixtral", tmp_path_factory.mktemp("zoo") / "mixtral", seed=0))
+def zoo_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """The zoo's default random checkpoint of every layout (2 MoE layers x 16 experts, top-2, hidden
+    64, seed 0, no tokenizer), each built once for the whole session when a test first asks for it;
+    tests read them, never write into them."""
+    return _BuiltOnFirstUse(tmp_path_factory.mktemp("zoo"))
+
+
+@pytest.fixture(scope="session")
+def zoo_mixtral(zoo_checkpoints) -> str:
+    """``zoo_checkpoints["mixtral"]``: for tests that only need some offloadable model."""
+    return zoo_checkpoints["mixtral"]
 
 
 @pytest.fixture(scope="session")

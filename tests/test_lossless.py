@@ -23,12 +23,6 @@ MAX_NEW = 12
 PROMPTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55, 3, 9, 120, 44], [1, 200, 5, 77, 12]]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("zoo")
-    return {arch: str(save_random_checkpoint(arch, root / arch, seed=0)) for arch in ARCHITECTURES}
-
-
 def recipe(path: str, engine: str, budget: float | None = None) -> dict:
     data = {"model": path, "engine": engine, "max_new_tokens": MAX_NEW, "threads": 1,
             "offload": {"link": {"kind": "local"}}}
@@ -48,8 +42,8 @@ def transformers_greedy(path: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_ondemand_matches_resident_and_transformers(arch, checkpoints):
-    path = checkpoints[arch]
+def test_ondemand_matches_resident_and_transformers(arch, zoo_checkpoints):
+    path = zoo_checkpoints[arch]
     resident = specter.load(recipe(path, "resident")).generate(PROMPTS).token_ids
     reference = transformers_greedy(path)
     # generate() may stop at EOS; Specter stops there too: compare the common prefix lengths exactly

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import specter
-from specter.testing.zoo import save_random_checkpoint
 from specter.decode.speculative import build_draft
 
 torch.set_num_threads(1)
@@ -30,12 +29,6 @@ PROMPTS = [
      5, 77, 12, 230, 160, 41, 88, 19, 147, 203, 36, 71, 11, 190, 64, 128, 15, 222, 90, 50],
     [1, 200, 5, 77, 12],
 ]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("zoo")
-    return {arch: str(save_random_checkpoint(arch, root / arch, seed=0)) for arch in ARCHS}
 
 
 def recipe(path: str, engine: str, budget: float = 0.25, k: int = 3, max_new: int = MAX_NEW, **extra) -> dict:
@@ -55,15 +48,15 @@ def generate(path: str, engine: str, prompts=PROMPTS, **kw):
 
 
 @pytest.fixture(scope="module")
-def resident(checkpoints) -> dict[str, list[list[int]]]:
-    return {arch: generate(path, "resident").token_ids for arch, path in checkpoints.items()}
+def resident(zoo_checkpoints) -> dict[str, list[list[int]]]:
+    return {arch: generate(zoo_checkpoints[arch], "resident").token_ids for arch in ARCHS}
 
 
 @pytest.mark.parametrize("budget", (0.25, 0.5))
 @pytest.mark.parametrize("k", (1, 3, 6))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_specter_greedy_equals_resident(arch, k, budget, checkpoints, resident):
-    result = generate(checkpoints[arch], "specter", k=k, budget=budget)
+def test_specter_greedy_equals_resident(arch, k, budget, zoo_checkpoints, resident):
+    result = generate(zoo_checkpoints[arch], "specter", k=k, budget=budget)
     assert result.token_ids == resident[arch], f"{arch}, k={k}, budget={budget}"
     assert all(len(ids) == MAX_NEW for ids in result.token_ids)  # the zoo models never emit EOS (2) here
 
@@ -71,8 +64,8 @@ def test_specter_greedy_equals_resident(arch, k, budget, checkpoints, resident):
 @pytest.mark.parametrize("mode", ("conservative", "lazy"))
 @pytest.mark.parametrize("engine", ("specter", "router-lookahead"))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_conservative_and_lazy_prefetch_keep_the_tokens(arch, engine, mode, checkpoints, resident):
-    runner = specter.load(recipe(checkpoints[arch], engine, budget=0.25, k=4,
+def test_conservative_and_lazy_prefetch_keep_the_tokens(arch, engine, mode, zoo_checkpoints, resident):
+    runner = specter.load(recipe(zoo_checkpoints[arch], engine, budget=0.25, k=4,
                                  offload={"link": {"kind": "local"}, "expert_budget": 0.25,
                                           "prefetch": mode, "cache_policy": {"name": "lookahead"}}))
     with runner:
@@ -86,11 +79,11 @@ def test_conservative_and_lazy_prefetch_keep_the_tokens(arch, engine, mode, chec
             assert result.report["prediction"]["issued_while_drafting"] == 0
 
 
-def test_auto_prefetch_turns_conservative_on_a_link_that_keeps_rounds_waiting(checkpoints, resident):
+def test_auto_prefetch_turns_conservative_on_a_link_that_keeps_rounds_waiting(zoo_checkpoints, resident):
     """The default ``offload.prefetch: auto`` on an emulated link whose every copy costs 3 ms: the
     rounds wait on copies most of their time, so the scheduler is conservative by the end."""
     link = {"kind": "emulated", "gbps": 1.0, "latency_us": 3000}
-    runner = specter.load(recipe(checkpoints["mixtral"], "specter", k=4,
+    runner = specter.load(recipe(zoo_checkpoints["mixtral"], "specter", k=4,
                                  offload={"link": link, "expert_budget": 0.25}))
     try:
         result = runner.generate(PROMPTS)
@@ -103,8 +96,8 @@ def test_auto_prefetch_turns_conservative_on_a_link_that_keeps_rounds_waiting(ch
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_router_lookahead_equals_resident(arch, checkpoints, resident):
-    result = generate(checkpoints[arch], "router-lookahead", budget=0.25)
+def test_router_lookahead_equals_resident(arch, zoo_checkpoints, resident):
+    result = generate(zoo_checkpoints[arch], "router-lookahead", budget=0.25)
     assert result.token_ids == resident[arch]
     prediction = result.report["prediction"]
     assert prediction["predictor"] == "router-lookahead"
@@ -113,8 +106,8 @@ def test_router_lookahead_equals_resident(arch, checkpoints, resident):
 
 
 @pytest.mark.parametrize("max_new", (1, 2, 3, 5, 8))
-def test_max_new_tokens_is_exact_even_when_k_exceeds_what_is_left(max_new, checkpoints, resident):
-    result = generate(checkpoints["mixtral"], "specter", k=6, max_new=max_new)
+def test_max_new_tokens_is_exact_even_when_k_exceeds_what_is_left(max_new, zoo_checkpoints, resident):
+    result = generate(zoo_checkpoints["mixtral"], "specter", k=6, max_new=max_new)
     assert [len(ids) for ids in result.token_ids] == [max_new] * len(PROMPTS)
     assert result.token_ids == [ids[:max_new] for ids in resident["mixtral"]]
     assert result.report["new_tokens"] == max_new * len(PROMPTS)
@@ -133,12 +126,12 @@ def with_eos(src: str, dst: Path, eos: int) -> str:
 
 
 @pytest.mark.parametrize("arch", ("mixtral", "gpt_oss"))
-def test_eos_stops_generation(arch, checkpoints, resident, tmp_path):
+def test_eos_stops_generation(arch, zoo_checkpoints, resident, tmp_path):
     reference = resident[arch][0]
     # a token the model emits in the middle of prompt 0's output, for the first time there
     position = max(p for p in range(2, MAX_NEW - 2) if reference[p] not in reference[:p])
     eos = reference[position]
-    path = with_eos(checkpoints[arch], tmp_path / "eos", eos)
+    path = with_eos(zoo_checkpoints[arch], tmp_path / "eos", eos)
 
     def truncated(ids: list[int]) -> list[int]:
         return ids[: ids.index(eos) + 1] if eos in ids else ids
@@ -152,9 +145,9 @@ def test_eos_stops_generation(arch, checkpoints, resident, tmp_path):
         assert result.report["new_tokens"] == sum(len(ids) for ids in expected)
 
 
-def test_report_fields_of_a_specter_run(checkpoints):
+def test_report_fields_of_a_specter_run(zoo_checkpoints):
     k = 3
-    report = generate(checkpoints["qwen2_moe"], "specter", k=k, budget=0.25).report
+    report = generate(zoo_checkpoints["qwen2_moe"], "specter", k=k, budget=0.25).report
     assert report["engine"] == "specter"
     assert 0.0 <= report["acceptance_rate"] <= 1.0
     assert 1.0 <= report["mean_accepted_per_step"] <= k + 1
@@ -182,8 +175,9 @@ def test_report_fields_of_a_specter_run(checkpoints):
 @pytest.mark.parametrize("link, routing_step", [({"kind": "local", "options": {"copy_thread": False}}, False),
                                                 ({"kind": "local", "options": {"copy_thread": True}}, True),
                                                 ({"kind": "emulated", "gbps": 50.0, "latency_us": 1}, True)])
-def test_the_routing_only_draft_step_runs_only_where_a_copy_can_hide_behind_it(link, routing_step, checkpoints, resident):
-    result = generate(checkpoints["mixtral"], "specter", k=3, offload={"link": link, "expert_budget": 0.25})
+def test_the_routing_only_draft_step_runs_only_where_a_copy_can_hide_behind_it(link, routing_step, zoo_checkpoints,
+                                                                                resident):
+    result = generate(zoo_checkpoints["mixtral"], "specter", k=3, offload={"link": link, "expert_budget": 0.25})
     assert result.token_ids == resident["mixtral"]
     report = result.report
     histogram = {int(key): n for key, n in report["k"]["histogram"].items()}
@@ -193,9 +187,9 @@ def test_the_routing_only_draft_step_runs_only_where_a_copy_can_hide_behind_it(l
     assert report["draft"]["lookahead_last"] is routing_step
 
 
-def test_no_routing_only_step_where_the_cache_holds_every_expert(checkpoints, resident):
+def test_no_routing_only_step_where_the_cache_holds_every_expert(zoo_checkpoints, resident):
     link = {"kind": "local", "options": {"copy_thread": True}}
-    result = generate(checkpoints["mixtral"], "specter", k=3, offload={"link": link, "expert_budget": 1.0})
+    result = generate(zoo_checkpoints["mixtral"], "specter", k=3, offload={"link": link, "expert_budget": 1.0})
     assert result.token_ids == resident["mixtral"]
     report = result.report
     drafted = sum(int(key) * n for key, n in report["k"]["histogram"].items())
@@ -203,10 +197,10 @@ def test_no_routing_only_step_where_the_cache_holds_every_expert(checkpoints, re
     assert report["draft"]["lookahead_last"] is False
 
 
-def test_moving_to_another_link_tells_the_governor_and_stays_lossless(checkpoints, resident):
+def test_moving_to_another_link_tells_the_governor_and_stays_lossless(zoo_checkpoints, resident):
     from specter.memory.links import LocalLink
 
-    engine = specter.load(recipe(checkpoints["mixtral"], "specter", speculation={"governor": {"name": "roofline"}}))
+    engine = specter.load(recipe(zoo_checkpoints["mixtral"], "specter", speculation={"governor": {"name": "roofline"}}))
     try:
         slots_per_layer = engine.cache.capacity / len(engine.runtime.layers)
         assert engine.governor.cache_slots_per_layer == pytest.approx(slots_per_layer)  # the engine's context
@@ -222,10 +216,10 @@ def test_moving_to_another_link_tells_the_governor_and_stays_lossless(checkpoint
         engine.close()
 
 
-def test_build_draft_covers_every_moe_layer_and_stays_resident(checkpoints):
+def test_build_draft_covers_every_moe_layer_and_stays_resident(zoo_checkpoints):
     from specter.model.loader import load_model
 
-    model, layers, store = load_model(Path(checkpoints["mixtral"]), dtype=torch.float32, device=torch.device("cpu"),
+    model, layers, store = load_model(Path(zoo_checkpoints["mixtral"]), dtype=torch.float32, device=torch.device("cpu"),
                                       keep_experts_on_host=True)
     draft = build_draft(layers, store, torch.device("cpu"), group_size=64)
     assert sorted(draft) == [m.layer for m in layers]
@@ -242,8 +236,8 @@ SAMPLING = {"temperature": 0.8, "top_p": 0.9}
 
 
 @pytest.mark.parametrize("engine", ("specter", "resident"))
-def test_sampling_is_reproducible_and_in_vocab(engine, checkpoints):
-    path = checkpoints["mixtral"]
+def test_sampling_is_reproducible_and_in_vocab(engine, zoo_checkpoints):
+    path = zoo_checkpoints["mixtral"]
     first = generate(path, engine, k=3, sampling=SAMPLING, seed=7)
     again = generate(path, engine, k=3, sampling=SAMPLING, seed=7)
     other = generate(path, engine, k=3, sampling=SAMPLING, seed=8)
