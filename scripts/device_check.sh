@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and timings in one call, for a machine with one NVIDIA GPU (under 10 minutes):
-#   1. the GPU-marked tests (every engine eager and compiled on the cuda link, the cuda cache and
-#      link, INT4 tinygemm), 2. pinned host-to-device bandwidth and resident vs ondemand on a
+#   1. the GPU-marked tests but the slow ones (every engine eager and compiled on the cuda link, the
+#      cuda cache and link, INT4 tinygemm; every other layout compiled on CUDA is `gpu and slow`, run
+#      apart: pytest -m "gpu and slow" tests/test_cuda_engines.py), 2. pinned host-to-device bandwidth and resident vs ondemand on a
 #      Mixtral-shaped random-weight model (8 layers x 8 experts of 4096x14336, bf16, budget 25%),
 #   3. every engine side by side on the widened bundled model (python -m specter.bench, eager on the
 #      local and cuda links at 25% and 50%; compiled on the cuda link at 50%).
@@ -31,7 +32,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 "$py" -c "import torch, specter; print('torch', torch.__version__, 'specter', specter.__version__)"
 tests_rc=0
 mapfile -t gpu_files < <(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
-timeout 150 "$py" -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs "${gpu_files[@]}" 2>&1 | tee "$out/gpu_tests.log"
+timeout 150 "$py" -m pytest -q -m "gpu and not slow" -p no:cacheprovider -p no:logging -rs "${gpu_files[@]}" 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" -eq 0 ] || echo "gpu tests: FAILED (rc=$tests_rc)"
 timeout 90 "$py" scripts/gpu_bench.py --layers 8 --experts 8 --budget 0.25 --tokens 32 2>&1 | tee "$out/gpu_bench.log"

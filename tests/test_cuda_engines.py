@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 import specter
+from specter.testing.zoo import ARCHITECTURES
 
 PROMPTS = [[1, 17, 93, 4, 250, 31, 8, 66, 140, 7, 201, 55, 3, 9, 120, 44], [1, 200, 5, 77, 12]]
 MAX_NEW = 12
@@ -52,3 +53,24 @@ def test_compiled_resident_on_cuda_equals_eager(tiny_mixtral, cuda_resident):
     result = specter.load(cuda_recipe(tiny_mixtral, "resident", compile=True)).generate(PROMPTS)
     assert result.token_ids == cuda_resident
     assert result.report["compile"]["enabled"] and result.report["device"].startswith("cuda")
+
+
+LAYOUTS = [arch for arch in ARCHITECTURES if arch != "mixtral"]  # Mixtral: the tests above
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", LAYOUTS)
+def test_every_layout_compiled_on_cuda_equals_eager(arch, zoo_checkpoints):
+    """Each layout's compiled graphs on CUDA (CUDA graphs; latent attention, sinks, per-layer windows,
+    grouped routers, biased experts): compiled ``resident`` and compiled ``specter`` (fixed k, the
+    ``cuda`` link) give eager ``resident``'s greedy tokens. Slow as well as GPU-only (a compile per
+    engine and layout): ``pytest -m "gpu and slow" tests/test_cuda_engines.py``."""
+    path = zoo_checkpoints[arch]
+    eager = specter.load(cuda_recipe(path, "resident", compile=False)).generate(PROMPTS).token_ids
+    for engine, governor in (("resident", None), ("specter", {"name": "fixed", "k": 3})):
+        with specter.load(cuda_recipe(path, engine, True, governor)) as loaded:
+            result = loaded.generate(PROMPTS)
+        assert result.token_ids == eager, (arch, engine)
+        compiled = result.report["compile"]
+        assert compiled["enabled"] and compiled["late_graphs"] == 0, (arch, engine, compiled)
