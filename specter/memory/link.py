@@ -88,11 +88,24 @@ class Link(ABC):
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+_CHECKSUM_CHUNK = 64  # words a chunk: the position-weighted sum tells chunks apart, not words within one
+
+
 def checksum(tensors: Tensors) -> tuple[int, ...]:
-    """A cheap content checksum of a copy's tensors: the integer sum of each tensor's raw words
-    (bit flips, zeroed or stale bytes change it with overwhelming likelihood)."""
-    return tuple(int(t.contiguous().view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64))
-                 for _, t in sorted(tensors.items()))
+    """A cheap content checksum of a copy's tensors: per tensor, the integer sum of its raw words
+    and a position-weighted sum (each 64-word chunk's sum, then each word of the tail shorter than
+    a chunk, times 1 + its index mod 251): bit flips, zeroed or stale bytes, and bytes landed at the
+    wrong offset (pieces swapped or shifted by a chunk or more) change it with overwhelming
+    likelihood. One pass over the words, plus a pass over the chunk sums."""
+    out: list[int] = []
+    for _, tensor in sorted(tensors.items()):
+        words = tensor.contiguous().view(_INT_VIEW[tensor.element_size()]).reshape(-1)
+        whole = words.numel() - words.numel() % _CHECKSUM_CHUNK
+        parts = torch.cat([words[:whole].view(-1, _CHECKSUM_CHUNK).sum(1, dtype=torch.int64),
+                           words[whole:].to(torch.int64)])
+        weights = torch.arange(parts.numel(), device=parts.device, dtype=torch.int64) % 251 + 1
+        out += [int(words.sum(dtype=torch.int64)), int((parts * weights).sum())]
+    return tuple(out)
 
 
 def transfer_nbytes(src: Tensors) -> int:
