@@ -12,9 +12,11 @@ def budget_slots(budget, n_layers: int, n_experts: int, expert_bytes: int, top_k
     total = n_layers * n_experts
     slots = min(total, budget.resolve(n_layers, n_experts, expert_bytes))
     if slots < top_k:
+        experts = f"{top_k} expert{'' if top_k == 1 else 's'}"
+        share = f"{top_k / total:.1%} of {total}, " if total else ""
         raise BudgetError(
             f"{key}: {budget.describe()} gives {slots} expert slot(s) "
-            f"({expert_bytes:,} bytes each), but one decode step needs {top_k} experts of a layer at once; "
-            f"use at least {top_k} experts ({top_k / total:.1%} of {total}, {top_k * expert_bytes:,} bytes)"
+            f"({expert_bytes:,} bytes each), but one decode step needs {experts} of a layer at once; "
+            f"use at least {experts} ({share}{top_k * expert_bytes:,} bytes)"
         )
     return slots

@@ -78,7 +78,7 @@ def test_fewer_slots_than_one_step_is_a_one_line_budget_error_with_the_least_bud
     (ExpertBudget("fraction", 0.1), 2, "0.1 of all experts gives 1 expert slot(s)",  # floor(1.6)
      "2 experts (12.5% of 16, 3,072 bytes)"),
     (ExpertBudget("bytes", EXPERT_BYTES - 1), 1, "1535 bytes (1.43e-06 GiB) gives 0 expert slot(s)",
-     "1 experts (6.2% of 16, 1,536 bytes)"),
+     "1 expert (6.2% of 16, 1,536 bytes)"),
     (ExpertBudget("per_layer", 1), 4, "1 experts per layer gives 2 expert slot(s)",
      "4 experts (25.0% of 16, 6,144 bytes)"),
 ], ids=["fraction", "bytes-below-one-expert", "per_layer-below-top_k"])
@@ -86,8 +86,9 @@ def test_the_error_describes_the_budget_the_slots_it_gives_and_the_least_that_wo
         budget: ExpertBudget, top_k: int, gives: str, least: str) -> None:
     with pytest.raises(BudgetError) as info:
         slots_for(budget, top_k=top_k)
+    experts = "1 expert" if top_k == 1 else f"{top_k} experts"
     assert str(info.value) == (f"offload.expert_budget: {gives} (1,536 bytes each), but one decode step needs "
-                               f"{top_k} experts of a layer at once; use at least {least}")
+                               f"{experts} of a layer at once; use at least {least}")
 
 
 def test_the_error_names_the_key_it_is_given() -> None:
