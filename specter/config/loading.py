@@ -63,6 +63,7 @@ def load_recipe(
     raw = dict(raw)
     for item in [overrides] if isinstance(overrides, str) else overrides:
         _apply_override(raw, item)
+    check_bounded(raw)  # what the overrides brought in too
     recipe = _from_mapping(Recipe, raw, source_dir=source_dir)
     if check_plugins:
         check_plugin_names(recipe)

@@ -189,3 +189,24 @@ def test_recipe_keys_are_the_leaves_only() -> None:
     assert not {"sampling", "offload", "offload.link", "speculation", "speculation.draft", "source_dir"} & set(keys)
     assert keys[:3] == ["model", "engine", "device"] and keys[-1] == "check_lossless"
 
+
+
+def test_shared_yaml_values_count_where_they_appear(tmp_path: Path) -> None:
+    """An alias of an alias (a "billion laughs" recipe) is refused by the size it has written out,
+    not by its few distinct nodes; a recipe sharing a small value twice still loads."""
+    levels = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    levels += [f"{b}: &{b} [{', '.join(['*' + a] * 9)}]" for a, b in zip("abcdef", "bcdefg")]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("speculation:\n  governor:\n    options:\n" + "".join(f"      {line}\n" for line in levels))
+    with pytest.raises(SpecterError, match=r"^recipe: holds more than 100,000 values \(a shared value"):
+        load_recipe(bomb)
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("speculation:\n  governor:\n    options:\n      a: &a [1, 2]\n      b: *a\n")
+    assert load_recipe(shared).speculation.governor.options == {"a": [1, 2], "b": [1, 2]}
+
+
+def test_an_override_is_held_to_the_same_bounds_as_the_recipe() -> None:
+    deep = "[" * 40 + "]" * 40
+    with pytest.raises(SpecterError, match=r"^recipe: nested deeper than 32 levels"):
+        load_recipe({}, [f"speculation.governor.options={{x: {deep}}}"])
+    assert load_recipe({}, ["speculation.governor.options={x: [[1]]}"]).speculation.governor.options == {"x": [[1]]}
