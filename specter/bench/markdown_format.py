@@ -42,7 +42,7 @@ def row(cells: Iterable[object]) -> str:
 
 def rows_table(columns: Iterable[str], rows: Iterable[Iterable[object]]) -> list[str]:
     columns = list(columns)
-    return ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"] + [row(r) for r in rows]
+    return [row(columns), "|" + "|".join("---" for _ in columns) + "|"] + [row(r) for r in rows]
 
 
 def where(row: dict, mode: bool = True) -> str:

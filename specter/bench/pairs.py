@@ -78,6 +78,8 @@ def compile_section(bench: dict) -> list[str]:
         inside = sum(1 for label, r in below if 1 - r <= gaps.get(label, min(gaps.values())))
         floors = f"{max(gaps.values()) * 100:.1f}%" if len(gaps) == 1 else f"{_by_label(gaps)}; other rows the smallest"
         within = f"; of those below, {inside} within the A/A noise floor ({floors})"
+    if not ratios:  # no pair with both medians: nothing to count
+        return lines
     return lines + ["", f"Compiled at or above eager in {len(ratios) - len(below)} of {len(ratios)} rows{within}."]
 
 

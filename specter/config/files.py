@@ -40,7 +40,7 @@ def read_texts(path: Path, key: str, fields: tuple[str, ...]) -> list[str]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise _error(key, f"cannot read {_plain(str(path))}: {exc}") from None
-    if path.suffix != ".jsonl":
+    if path.suffix.lower() != ".jsonl":
         if not text:
             raise _error(key, f"{_plain(str(path))} is empty; allowed: a non-empty text file")
         return [text]

@@ -86,3 +86,7 @@ def test_where_names_the_cell_and_the_mode(row: dict, shown: str) -> None:
 def test_where_without_the_mode_is_budget_and_link_only() -> None:
     assert fmt.where({"budget": 0.25, "link": "slow", "compile": True}, mode=False) == "25% / slow"
     assert fmt.where({}, mode=False) == "- / -"
+
+
+def test_rows_table_escapes_its_column_names_as_its_cells() -> None:
+    assert fmt.rows_table(["a|b", "c"], [["x|y", 1]]) == ["| a\\|b | c |", "|---|---|", "| x\\|y | 1 |"]

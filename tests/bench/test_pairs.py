@@ -150,3 +150,8 @@ def test_twin_section_without_a_median_has_no_gap_line() -> None:
 def test_twin_section_is_empty_without_a_paired_twin() -> None:
     assert twin_section({}) == []
     assert twin_section({"rows": [row("a"), twin("a", 9.0, link="fast"), twin("missing", 9.0)]}) == []
+
+
+def test_compile_section_counts_no_rows_when_no_pair_has_both_medians() -> None:
+    rows = [row("b", 8.0), row("b", None, compiled=True)]
+    assert compile_section({"rows": rows}) == COMPILE_HEADER + ["| b | 25% / slow | 8.00 | - | - | - |"]

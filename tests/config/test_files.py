@@ -192,3 +192,9 @@ def test_read_prompts_does_not_accept_a_text_field(tmp_path: Path) -> None:
     with pytest.raises(RecipeError) as caught:
         _read_prompts(path)
     assert str(caught.value) == f'prompts_file: {path}:1: no string "prompt" field; {ALLOWED_PROMPT}'
+
+
+def test_a_jsonl_suffix_in_capitals_is_still_one_text_per_line(tmp_path: Path) -> None:
+    path = tmp_path / "T.JSONL"
+    path.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    assert read_texts(path, "--probe", PROBE_FIELDS) == ["one", "two"]
