@@ -13,8 +13,9 @@ Contract of one ``specter`` round (batch 1, one shared ``DynamicCache``):
    the scheduler's lookahead buffer and prefetches start at once.
    With ``lookahead_last`` one more draft step runs over the k-th drafted token for its routing
    only, so every one of the k+1 verified positions has a prediction; engines skip it on a
-   link that does not overlap compute (``Link.overlaps_compute``, e.g. ``local`` without its copy thread), where a
-   prefetch costs the same copy as a demand load and the step would be pure cost.
+   link that does not overlap compute (``Link.overlaps_compute``, e.g. ``local`` without its
+   copy thread), where a prefetch costs the same copy as a demand load and the step would be
+   pure cost.
 2. The scheduler flushes every remaining predicted expert; the KV cache is cropped back to the
    round's start.
 3. The target runs once over the k+1 tokens (last emitted token + k drafts), experts from the
