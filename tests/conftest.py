@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specter.plugins import reset_plugins
 from specter.testing.zoo import save_byte_tokenizer, save_random_checkpoint
 
 torch.set_num_threads(1)
@@ -58,3 +59,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def clean_plugins(monkeypatch):
+    """A fresh plugin registry for the test, built from the built-ins and installed entry points
+    (``SPECTER_PLUGINS`` unset), and a fresh one again after it. Modules that register plugins
+    use it for every test (``pytestmark = pytest.mark.usefixtures("clean_plugins")``)."""
+    monkeypatch.delenv("SPECTER_PLUGINS", raising=False)
+    reset_plugins()
+    yield
+    reset_plugins()

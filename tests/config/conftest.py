@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specter.plugins import reset_plugins
-
 
 @pytest.fixture(autouse=True)
-def clean_plugins(monkeypatch):
-    monkeypatch.delenv("SPECTER_PLUGINS", raising=False)
-    reset_plugins()
-    yield
-    reset_plugins()
+def _fresh_registry(clean_plugins) -> None:
+    """Every recipe test runs with ``clean_plugins`` (tests/conftest.py)."""

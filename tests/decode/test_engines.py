@@ -21,19 +21,14 @@ from specter.decode import engines
 from specter.decode.engine import Engine, OffloadedEngine, ResidentEngine
 from specter.decode.speculative import RouterLookaheadEngine, SpecterEngine
 from specter.errors import SpecterError
-from specter.plugins import registry, reset_plugins
+from specter.plugins import registry
 from specter.predictors.draft import DraftPredictor
 from specter.predictors.router_lookahead import RouterLookaheadPredictor
 
 BUILTINS = ["resident", "ondemand", "router-lookahead", "specter", "hf-offload"]
 
 
-@pytest.fixture(autouse=True)
-def clean_plugins(monkeypatch):
-    monkeypatch.delenv("SPECTER_PLUGINS", raising=False)
-    reset_plugins()
-    yield
-    reset_plugins()
+pytestmark = pytest.mark.usefixtures("clean_plugins")
 
 
 class Recorded:

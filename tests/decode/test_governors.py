@@ -7,14 +7,10 @@ import pytest
 from specter.decode.governor import MAX_K, Governor, check_observation
 from specter.decode.governors import FixedGovernor
 from specter.hookspecs import hookimpl
-from specter.plugins import register_plugin, registry, reset_plugins
+from specter.plugins import register_plugin, registry
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins():
-    reset_plugins()
-    yield
-    reset_plugins()
+pytestmark = pytest.mark.usefixtures("clean_plugins")
 
 
 def test_fixed_governor_always_returns_k():

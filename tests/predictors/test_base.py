@@ -12,7 +12,7 @@ import torch
 import specter
 from specter.errors import SpecterError
 from specter.hookspecs import hookimpl
-from specter.plugins import register_plugin, reset_plugins
+from specter.plugins import register_plugin
 from specter.predictors import base
 from specter.predictors.base import BasePredictor, Predictor
 
@@ -21,12 +21,7 @@ MAX_NEW = 6
 HIDDEN, TOP_K = 64, 2
 
 
-@pytest.fixture(autouse=True)
-def clean_plugins(monkeypatch):
-    monkeypatch.delenv("SPECTER_PLUGINS", raising=False)
-    reset_plugins()
-    yield
-    reset_plugins()
+pytestmark = pytest.mark.usefixtures("clean_plugins")
 
 
 # ----------------------------------------------------------------------------- the base class
