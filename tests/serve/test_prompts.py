@@ -1,0 +1,194 @@
+"""specter.serve.prompts without a model: requests become prompt ids the way the engine encodes
+text (no special tokens; an empty text is the BOS token) with a private copy of the tokenizer;
+token-id prompts are checked against the vocabulary; chat messages go through the chat template
+with the generation prompt, and a missing or refusing template is a 400; ``max_tokens`` takes the
+request's value or the default capped to the context left, and a prompt that does not fit is a
+400 naming the right field. The bundled model's real tokenizer is used where its behaviour matters
+(copying, chat templates), a character-level fake where exact ids do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from serve_support import CHAT_MESSAGES, CHAT_RENDERED, CHAT_TEMPLATE
+from specter.decode.engine import Engine
+from specter.errors import SpecterError
+from specter.serve.prompts import Prompts
+from specter.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "specter" / "data" / "tiny-moe"
+
+
+class CharTokenizer:
+    """An HF-like tokenizer: one id per character (its code point), BOS 1 added only when asked
+    for special tokens (as HF tokenizers add them by default)."""
+
+    bos_token_id = 1
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self.chat_template: str | None = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+class FakeEngine:
+    """What Prompts uses of an engine: its tokenizer, context length and ``check_context`` (the
+    real engine's check, run on this object, with every call logged)."""
+
+    model_path = "fake-model"
+
+    def __init__(self, tokenizer, context_length: int | None = 64) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.checked: list[tuple[list[int], int]] = []
+
+    def check_context(self, prompt_ids, max_new_tokens: int, label: str = "prompt") -> None:
+        self.checked.append((list(prompt_ids), max_new_tokens))
+        Engine.check_context(self, prompt_ids, max_new_tokens, label)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TOKENIZER))
+
+
+def completion(prompt) -> CompletionRequest:
+    return parse(json.dumps({"prompt": prompt}).encode(), CompletionRequest)
+
+
+def chat(messages: list[dict]) -> ChatRequest:
+    return parse(json.dumps({"messages": messages}).encode(), ChatRequest)
+
+
+def refused(call, *args) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        call(*args)
+    assert caught.value.status == 400
+    return caught.value
+
+
+@pytest.mark.parametrize("text", ["def fibonacci(n):\n", "  héllo wörld → 世界", "\n\n", "x"])
+def test_text_is_encoded_as_the_engine_encodes_it(tokenizer, text):
+    engine = FakeEngine(tokenizer)
+    prompts = Prompts(engine, 16)
+    expected = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert expected and prompts.encode(text) == expected == Engine.encode(engine, text)
+    assert prompts.completion_ids(completion(text)) == expected
+    assert prompts.completion_ids(completion([text])) == expected
+
+
+def test_no_special_tokens_are_added_and_an_empty_text_is_the_bos_token():
+    prompts = Prompts(FakeEngine(CharTokenizer()), 16)
+    assert prompts.encode("ab") == [97, 98]
+    assert prompts.encode("") == [CharTokenizer.bos_token_id]
+    assert prompts.completion_ids(completion("")) == [1]
+
+
+def test_the_tokenizer_is_a_private_copy(tokenizer):
+    engine = FakeEngine(tokenizer)
+    prompts = Prompts(engine, 16)
+    assert prompts.tokenizer is not tokenizer and type(prompts.tokenizer) is type(tokenizer)
+    assert prompts.vocab_size == len(tokenizer) == 4096
+    assert prompts.chat_template is None
+    prompts.chat_template = CHAT_TEMPLATE
+    assert prompts.chat_template == CHAT_TEMPLATE and tokenizer.chat_template is None  # the engine's is untouched
+    assert prompts.encode("import os") == Engine.encode(engine, "import os")
+
+
+def test_token_id_prompts_are_checked_against_the_vocabulary():
+    prompts = Prompts(FakeEngine(CharTokenizer(size=256)), 16)
+    assert prompts.completion_ids(completion([5, 255, 0])) == [5, 255, 0]
+    assert prompts.completion_ids(completion([[7, 8]])) == [7, 8]
+    error = refused(prompts.completion_ids, completion([3, 256, 9]))
+    assert error.param == "prompt"
+    assert error.message == "prompt: token id 256 is outside the vocabulary (size 256)"
+
+
+def test_without_a_tokenizer_only_token_ids_are_taken():
+    prompts = Prompts(FakeEngine(None), 16)
+    assert prompts.tokenizer is None and prompts.vocab_size is None and prompts.chat_template is None
+    assert prompts.completion_ids(completion([10**6, 2])) == [10**6, 2]  # nothing to check them against
+    error = refused(prompts.completion_ids, completion("def f():"))
+    assert error.param == "prompt" and "token ids" in error.message
+    error = refused(prompts.chat_ids, chat(CHAT_MESSAGES))
+    assert (error.param, error.code) == ("messages", "chat_template_missing")
+    with pytest.raises(SpecterError, match="no tokenizer"):
+        prompts.chat_template = CHAT_TEMPLATE
+
+
+def test_chat_messages_are_rendered_with_the_generation_prompt(tokenizer):
+    prompts = Prompts(FakeEngine(tokenizer), 16)
+    prompts.chat_template = CHAT_TEMPLATE
+    expected = tokenizer(CHAT_RENDERED, add_special_tokens=False)["input_ids"]
+    assert prompts.chat_ids(chat(CHAT_MESSAGES)) == expected  # CHAT_RENDERED ends "# assistant:"
+    parts = [CHAT_MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "write "},
+                                                             {"type": "text", "text": "a loop"}]}]
+    assert prompts.chat_ids(chat(parts)) == expected  # text parts are joined
+
+
+@pytest.mark.parametrize("template", [None, ""])
+def test_chat_without_a_template_is_a_400_naming_the_way_out(tokenizer, template):
+    prompts = Prompts(FakeEngine(tokenizer), 16)
+    prompts.chat_template = CHAT_TEMPLATE
+    prompts.chat_template = template  # set, then taken away again
+    error = refused(prompts.chat_ids, chat(CHAT_MESSAGES))
+    assert (error.param, error.code) == ("messages", "chat_template_missing")
+    assert "--chat-template" in error.message and "/v1/completions" in error.message
+
+
+def test_a_template_that_refuses_the_conversation_is_a_400(tokenizer):
+    prompts = Prompts(FakeEngine(tokenizer), 16)
+    prompts.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first, please') }}"
+                             "{% endif %}{{ messages[0]['content'] }}")
+    error = refused(prompts.chat_ids, chat(CHAT_MESSAGES))  # a system message first
+    assert error.param == "messages" and error.code is None
+    assert error.message.startswith("messages: the chat template refused them:")
+    assert "user first, please" in error.message
+    assert prompts.chat_ids(chat([{"role": "user", "content": "hi"}])) == prompts.encode("hi")
+
+
+@pytest.mark.parametrize("requested, prompt_len, expected", [
+    (None, 10, 16),  # the default
+    (None, 60, 4),  # the default, capped to the 4 positions left
+    (None, 63, 1),
+    (20, 10, 20),  # the request's own value, above the default
+    (54, 10, 54),  # exactly fills the context
+])
+def test_max_tokens_is_the_requests_or_the_default_capped_to_the_context(requested, prompt_len, expected):
+    engine = FakeEngine(CharTokenizer(), context_length=64)
+    ids = list(range(2, 2 + prompt_len))
+    assert Prompts(engine, 16).max_tokens(requested, ids) == expected
+    assert engine.checked == [(ids, expected)]
+
+
+@pytest.mark.parametrize("requested, prompt_len, param", [
+    (55, 10, "max_tokens"),  # the prompt fits, the tokens asked for do not
+    (None, 64, "prompt"),  # the prompt alone fills the context
+    (4, 70, "prompt"),
+    (1, 64, "prompt"),
+])
+def test_a_request_that_does_not_fit_the_context_is_a_400_naming_the_field(requested, prompt_len, param):
+    engine = FakeEngine(CharTokenizer(), context_length=64)
+    ids = list(range(2, 2 + prompt_len))
+    error = refused(Prompts(engine, 16).max_tokens, requested, ids)
+    asked = 16 if requested is None else requested
+    assert (error.param, error.code) == (param, "context_length_exceeded")
+    assert f"{prompt_len + asked} positions exceed the model's context length 64" in error.message
+
+
+def test_without_a_context_length_nothing_is_capped():
+    engine = FakeEngine(CharTokenizer(), context_length=None)
+    prompts = Prompts(engine, 16)
+    assert prompts.max_tokens(None, [5] * 5000) == 16
+    assert prompts.max_tokens(10**6, [5]) == 10**6
+    assert engine.checked == [([5] * 5000, 16), ([5], 10**6)]
