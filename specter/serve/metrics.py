@@ -53,15 +53,18 @@ class ServerMetrics:
         with self._lock:
             self.queue_depth, self.busy = depth, busy
 
+    def set_capacity(self, capacity: int) -> None:
+        with self._lock:
+            self.queue_capacity = capacity
+
     def observe_completion(self, prompt_tokens: int, completion_tokens: int, figures: dict) -> None:
         with self._lock:
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
             self.decode_seconds += figures.get("decode_s") or 0.0
             self.bytes_transferred += figures.get("bytes_transferred") or 0
-            for key in self.last:
-                if figures.get(key) is not None:
-                    self.last[key] = figures[key]
+            for key in self.last:  # a figure this request did not report shows NaN, not the one before
+                self.last[key] = figures.get(key)
 
     def render(self) -> str:
         with self._lock:

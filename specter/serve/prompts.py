@@ -10,7 +10,7 @@ tokens added; an empty text becomes the BOS token), so greedy text through the s
 - ``chat_ids(request)``: the messages rendered with the tokenizer's chat template
   (``add_generation_prompt=True``); ``ApiError`` 400 (code ``chat_template_missing``) when the
   tokenizer has none, or when the template refuses the conversation.
-- ``max_tokens(request, ids)``: the request's ``max_tokens``, else the recipe's
+- ``max_tokens(requested, ids)``: ``requested`` (the request's ``max_tokens``), else the recipe's
   ``max_new_tokens`` capped to what the context has left; ``ApiError`` 400 (code
   ``context_length_exceeded``) when prompt plus ``max_tokens`` does not fit the model
   (``engine.check_context``).

@@ -123,7 +123,10 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the server is shutting down")
-            if len(self._waiting) >= self.depth and (self._running is not None or self._waiting):
+            # the job the idle worker is about to take decodes next: like the running one, it does
+            # not count against depth
+            counted = len(self._waiting) if self._running is not None else max(0, len(self._waiting) - 1)
+            if counted >= self.depth and (self._running is not None or self._waiting):
                 raise QueueFull(self.depth, self._retry_after(len(self._waiting)))
             job.loop = job.loop or asyncio.get_running_loop()
             job.enqueued_at = time.perf_counter()
@@ -155,7 +158,8 @@ class Scheduler:
     def depth(self, value: int) -> None:
         if value < 0:
             raise ValueError(f"queue depth must be >= 0, got {value}")
-        self._depth = self.metrics.queue_capacity = value
+        self._depth = value
+        self.metrics.set_capacity(value)
 
     @property
     def queue_depth(self) -> int:
@@ -171,8 +175,10 @@ class Scheduler:
             for job in list(self._waiting):
                 job._cancel.set()
                 job.state = "cancelled"
+                self.metrics.count_request("cancelled")
                 job.emit(Cancelled())
             self._waiting.clear()
+            self.metrics.set_queue(0, self._running is not None)
             if self._running is not None:
                 self._running._cancel.set()
             self._cond.notify_all()
