@@ -6,7 +6,10 @@ never share a tokenizer object) and encodes text the way ``engine.encode`` does 
 tokens added; an empty text becomes the BOS token), so greedy text through the server equals
 ``engine.generate``'s and ``python -m specter.run``'s for the same prompt.
 
-- ``completion_ids(request)``: the prompt's ids (text or token ids as given).
+- ``completion_ids(request)``: the prompt's ids (text or token ids as given); token ids must be
+  below ``vocab_size``: the model's input embedding rows where the engine's model says (the ids
+  the model can embed: a tokenizer's added tokens may lie past them, a padded embedding beyond the
+  tokenizer), else the tokenizer's length; ``ApiError`` 400 naming the id otherwise.
 - ``chat_ids(request)``: the messages rendered with the tokenizer's chat template
   (``add_generation_prompt=True``); ``ApiError`` 400 (code ``chat_template_missing``) when the
   tokenizer has none, or when the template refuses the conversation.
@@ -14,13 +17,17 @@ tokens added; an empty text becomes the BOS token), so greedy text through the s
   ``max_new_tokens`` capped to what the context has left; ``ApiError`` 400 (code
   ``context_length_exceeded``) when prompt plus ``max_tokens`` does not fit the model
   (``engine.check_context``).
-- ``chat_template`` (read/write): the template in use; ``--chat-template FILE`` sets it.
+- ``chat_template`` (read/write): the template in use; ``--chat-template FILE`` sets it. Setting
+  one that is not valid Jinja raises ``SpecterError`` naming its line, so a broken template stops
+  the server at start instead of answering every chat request with a 400.
 """
 
 from __future__ import annotations
 
 import copy
 from typing import Sequence
+
+import jinja2
 
 from specter.errors import SpecterError
 from specter.serve.protocol import ApiError, ChatRequest, CompletionRequest
@@ -31,7 +38,8 @@ class Prompts:
         self.engine = engine
         self.default_max_tokens = default_max_tokens
         self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else None
+        rows = _embedding_rows(engine)
+        self.vocab_size = rows if rows is not None else len(self.tokenizer) if self.tokenizer is not None else None
 
     @property
     def chat_template(self) -> str | None:
@@ -41,6 +49,11 @@ class Prompts:
     def chat_template(self, template: str | None) -> None:
         if self.tokenizer is None:
             raise SpecterError("chat template: the model ships no tokenizer")
+        if template is not None:
+            try:  # parsing only: the extension transformers' templates may use
+                jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+            except jinja2.TemplateSyntaxError as error:
+                raise SpecterError(f"chat template: line {error.lineno}: {error.message}") from None
         self.tokenizer.chat_template = template
 
     def encode(self, text: str) -> list[int]:
@@ -83,3 +96,11 @@ class Prompts:
             raise ApiError(400, f"{error}", param="max_tokens" if limit and len(ids) < limit else "prompt",
                            code="context_length_exceeded") from None
         return requested
+
+
+def _embedding_rows(engine) -> int | None:
+    """Rows of the engine's model's input embedding, where it has a model that says."""
+    get = getattr(getattr(engine, "model", None), "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    rows = getattr(embedding, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None

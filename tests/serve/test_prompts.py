@@ -114,6 +114,32 @@ def test_token_id_prompts_are_checked_against_the_vocabulary():
     assert error.message == "prompt: token id 256 is outside the vocabulary (size 256)"
 
 
+def test_token_ids_are_checked_against_the_models_embedding_where_it_has_one():
+    """The model embeds ids below its embedding's rows: a tokenizer's added tokens past them are
+    refused before they queue (they would fail inside generate), a padded embedding's rows beyond
+    the tokenizer are taken; without a tokenizer the embedding still bounds them."""
+    import torch
+
+    for rows, tokenizer in ((200, CharTokenizer(size=256)), (300, CharTokenizer(size=256)), (200, None)):
+        engine = FakeEngine(tokenizer)
+        engine.model = torch.nn.Module()
+        engine.model.get_input_embeddings = lambda rows=rows: torch.nn.Embedding(rows, 2)
+        prompts = Prompts(engine, 16)
+        assert prompts.vocab_size == rows
+        assert prompts.completion_ids(completion([rows - 1])) == [rows - 1]
+        error = refused(prompts.completion_ids, completion([rows]))
+        assert error.message == f"prompt: token id {rows} is outside the vocabulary (size {rows})"
+
+
+def test_a_chat_template_that_is_not_valid_jinja_is_refused_when_set(tokenizer):
+    prompts = Prompts(FakeEngine(tokenizer), 16)
+    with pytest.raises(SpecterError, match=r"^chat template: line 2: "):
+        prompts.chat_template = "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}"
+    assert prompts.chat_template is None  # left as it was
+    prompts.chat_template = "{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}{% endfor %}"
+    assert prompts.chat_template.startswith("{% for m")  # loop controls, as transformers allows
+
+
 def test_without_a_tokenizer_only_token_ids_are_taken():
     prompts = Prompts(FakeEngine(None), 16)
     assert prompts.tokenizer is None and prompts.vocab_size is None and prompts.chat_template is None
