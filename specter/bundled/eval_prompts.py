@@ -19,11 +19,11 @@ from specter.bundled.train import TrainConfig, heldout_files, read_text, stdlib_
 def select_prompts(count: int = 16, lines: int = 4, max_chars: int = 240) -> list[dict]:
     files = heldout_files()
     held = 0
-    first_unseen = 0
-    for first_unseen, path in enumerate(files):
+    first_unseen = len(files)  # every file held out unless the bytes run past the threshold first
+    for index, path in enumerate(files):
         held += len(read_text(path).encode())
         if held >= TrainConfig.heldout_bytes:
-            first_unseen += 1
+            first_unseen = index + 1
             break
     candidates = files[first_unseen:]
     stride = max(1, len(candidates) // (count * 2))
