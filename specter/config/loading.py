@@ -52,7 +52,6 @@ def load_recipe(
         raise _error("recipe", f"expected a path or a mapping, got {got}; allowed: a YAML file path")
     if raw is None:
         raw = {}
-    check_bounded(raw)
     if not isinstance(raw, Mapping):
         known = ", ".join(f.name for f in _schema_fields(Recipe))
         raise _error(
@@ -63,7 +62,7 @@ def load_recipe(
     raw = dict(raw)
     for item in [overrides] if isinstance(overrides, str) else overrides:
         _apply_override(raw, item)
-    check_bounded(raw)  # what the overrides brought in too
+    check_bounded(raw)  # the recipe as the overrides left it (a mapping source was checked before its copy too)
     recipe = _from_mapping(Recipe, raw, source_dir=source_dir)
     if check_plugins:
         check_plugin_names(recipe)
