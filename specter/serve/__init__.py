@@ -3,7 +3,8 @@
 Contract (details: docs/serve.md):
 - The recipe's engine is loaded once. Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``,
   ``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's chat template, or
-  ``--chat-template FILE``; a 400 with code ``chat_template_missing`` when there is none),
+  ``--chat-template FILE``; a 400 with code ``chat_template_missing`` when there is none, a 500
+  with code ``chat_template_invalid`` when the tokenizer's is broken),
   ``GET /health`` and ``GET /metrics`` (Prometheus text). Request fields: ``model``, ``prompt`` /
   ``messages``, ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
   ``top_p``, ``seed``, ``stop``, ``n`` (1 only), ``stream`` (server-sent events in OpenAI's

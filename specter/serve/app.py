@@ -5,8 +5,9 @@ Contract: ``create_app(engine, recipe, config)`` returns a Starlette app serving
 (``specter.serve.scheduler``) at once and stops it on lifespan shutdown; it never closes the
 engine (the caller owns it). Every request is checked on the event loop before it may queue:
 API key (when ``config.api_key`` is set; ``/health`` stays open), body, model name, prompt
-length against the context; any problem answers with the OpenAI error shape and a 4xx status and
-touches neither the queue nor the request decoding. Each response carries ``usage`` and the
+length against the context; any problem answers with the OpenAI error shape and a 4xx status (a 500
+with code ``chat_template_invalid`` where the server's own chat template is broken, counted as
+failed) and touches neither the queue nor the request decoding. Each response carries ``usage`` and the
 ``specter`` extension field; a client that disconnects (streamed or not) cancels its job.
 """
 
@@ -228,6 +229,8 @@ async def _api_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, ApiError)
     if 400 <= error.status < 500 and error.status != 429:
         _state(request).metrics.count_request("rejected_invalid")
+    elif error.status >= 500:
+        _state(request).metrics.count_request("failed")
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 

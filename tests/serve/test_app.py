@@ -111,6 +111,21 @@ def test_chat_without_a_template_is_a_clear_400(client):
     assert "chat template" in caught.value.message
 
 
+def test_a_broken_shipped_template_is_a_500_counted_as_failed(server, client):
+    prompts = server.state.prompts
+    prompts.tokenizer.chat_template = "{{ messages[0]['content'] + 1 }}"  # as if the tokenizer shipped it
+    failed = server.state.metrics.requests["failed"]
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.with_options(max_retries=0).chat.completions.create(model=MODEL, messages=CHAT_MESSAGES)
+    finally:
+        prompts.tokenizer.chat_template = None
+    assert caught.value.status_code == 500 and caught.value.code == "chat_template_invalid"
+    assert "--chat-template FILE" in caught.value.message and "TypeError" in caught.value.message
+    assert server.state.metrics.requests["failed"] == failed + 1
+    assert not server.state.scheduler.busy and server.state.scheduler.queue_depth == 0  # nothing queued
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_cuts_the_text_and_ends_generation(client, references, generate_log, stream):
     prompt = PROMPTS[2]

@@ -1,13 +1,16 @@
 """specter.serve.prompts without a model: requests become prompt ids the way the engine encodes
 text (no special tokens; an empty text is the BOS token) with a private copy of the tokenizer;
 token-id prompts are checked against the vocabulary; chat messages go through the chat template
-with the generation prompt, and a missing or refusing template is a 400; ``max_tokens`` takes the
+with the generation prompt, and a missing or refusing template is a 400, a broken one (the
+tokenizer's, not parsing: a warning at start; or failing on valid messages) a 500 naming
+``--chat-template``; ``max_tokens`` takes the
 request's value or the default capped to the context left, and a prompt that does not fit is a
 400 naming the right field. The bundled model's real tokenizer is used where its behaviour matters
 (copying, chat templates), a character-level fake where exact ids do."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -218,3 +221,48 @@ def test_without_a_context_length_nothing_is_capped():
     assert prompts.max_tokens(None, [5] * 5000) == 16
     assert prompts.max_tokens(10**6, [5]) == 10**6
     assert engine.checked == [([5] * 5000, 16), ([5], 10**6)]
+
+
+def refused_by_the_server(call, *args) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        call(*args)
+    assert caught.value.status == 500 and caught.value.type == "server_error"
+    assert (caught.value.param, caught.value.code) == ("messages", "chat_template_invalid")
+    assert "--chat-template FILE" in caught.value.message
+    return caught.value
+
+
+def test_a_shipped_template_that_does_not_parse_warns_at_start_and_fails_chat_as_the_servers_fault(
+        tokenizer, caplog):
+    shipped = copy.deepcopy(tokenizer)
+    shipped.chat_template = "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}"
+    with caplog.at_level("WARNING", logger="specter.serve"):
+        prompts = Prompts(FakeEngine(shipped), 16)
+    assert prompts.template_problem.startswith("line 2: ")
+    assert any("does not parse (line 2: " in record.getMessage() for record in caplog.records)
+    error = refused_by_the_server(prompts.chat_ids, chat(CHAT_MESSAGES))
+    assert "does not parse (line 2: " in error.message
+    assert prompts.completion_ids(completion("def f():")) == prompts.encode("def f():")  # completions still served
+    prompts.chat_template = CHAT_TEMPLATE  # an operator's valid template replaces it
+    assert prompts.template_problem is None
+    assert prompts.chat_ids(chat(CHAT_MESSAGES)) == tokenizer(CHAT_RENDERED, add_special_tokens=False)["input_ids"]
+
+
+def test_a_shipped_template_that_parses_raises_no_warning(tokenizer, caplog):
+    shipped = copy.deepcopy(tokenizer)
+    shipped.chat_template = CHAT_TEMPLATE
+    with caplog.at_level("WARNING", logger="specter.serve"):
+        prompts = Prompts(FakeEngine(shipped), 16)
+    assert prompts.template_problem is None and not caplog.records
+
+
+@pytest.mark.parametrize("template, named", [
+    ("{{ messages[0]['content'] | no_such_filter }}", "no_such_filter"),  # parses; found when compiled
+    ("{{ messages[0]['content'] + 1 }}", "TypeError"),  # a str plus an int: the template's bug
+    ("{{ undefined_helper(messages) }}", "UndefinedError"),
+])
+def test_a_template_that_fails_on_valid_messages_is_the_servers_fault(tokenizer, template, named):
+    prompts = Prompts(FakeEngine(tokenizer), 16)
+    prompts.chat_template = template  # valid Jinja syntax: taken
+    error = refused_by_the_server(prompts.chat_ids, chat(CHAT_MESSAGES))
+    assert named in error.message
