@@ -6,7 +6,9 @@ package copyright files), trains a byte-level BPE tokenizer and a 16-expert top-
 MixtralForCausalLM on it with a fixed seed, and writes to DIR: bf16 safetensors + config,
 the tokenizer, ``training_summary.json`` (config, corpus manifest hash, wall time, held-out loss,
 routed-token share per expert per layer) and ``MODEL_CARD.md``. The held-out text is the standard
-library's own ``test/`` files, never seen in training. CI never runs this; it takes ~25 minutes.
+library's own ``test/`` files, never seen in training. ``--steps`` and ``--threads`` must be at
+least 1 (a usage error otherwise), and a training or held-out text shorter than one window stops
+the run before it trains. CI never runs this; it takes ~25 minutes.
 """
 
 from __future__ import annotations
@@ -243,11 +245,21 @@ Share of routed tokens (top-{cfg['top_k']} assignments, %) per expert per layer 
     (out / "MODEL_CARD.md").write_text(text)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
-    parser.add_argument("--threads", type=int, default=TrainConfig.threads)
+    parser.add_argument("--steps", type=_positive_int, default=TrainConfig.steps)
+    parser.add_argument("--threads", type=_positive_int, default=TrainConfig.threads)
     args = parser.parse_args(argv)
     cfg = dataclasses.replace(TrainConfig(), steps=args.steps, threads=args.threads)
 
@@ -276,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     train_tokens = encode_corpus(tokenizer, texts)
     held_tokens = encode_corpus(tokenizer, held_texts)
     print(f"tokens: train {train_tokens.numel():,}, held-out {held_tokens.numel():,}", flush=True)
+    for name, tokens in (("training", train_tokens), ("held-out", held_tokens)):
+        if tokens.numel() < cfg.seq_len + 2:  # found before the training run, not after it
+            raise SystemExit(f"train: the {name} text has {tokens.numel()} tokens; a window of {cfg.seq_len + 1} "
+                             f"needs at least {cfg.seq_len + 2}")
 
     model = make_model(cfg, tokenizer)
     if cfg.zero_init_routers:
