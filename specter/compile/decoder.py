@@ -155,7 +155,8 @@ class CompiledDecoder(DecoderGraphs):
             else:
                 weights += [self.cache.slot_table, *self.cache.slots.values()]
             _mark_static(weights + self._keys + self._values + [self._kv_index])
-        key = layout_key(self.arch, self.dtype, self.device, [*dense, *first_experts.parameters()], experts)
+        key = layout_key(self.arch, self.dtype, self.device, [*dense, *first_experts.parameters()], experts,
+                         (self.cuda_graphs, cpp_wrapper))  # compiled under other options: graphs of their own
         self._compile_graphs(key, cpp_wrapper)  # graphs and recompile limits per layout
 
     # ----- public --------------------------------------------------------------------------------

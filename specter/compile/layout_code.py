@@ -6,7 +6,8 @@ torch.compile keeps its graphs and counts its recompile limit per code object, s
 ``torch.compile(per_layout(fn, key))`` gives decoders of one layout one set of graphs (the bench's
 engines of one checkpoint compile each graph once, as before) and decoders of different layouts
 their own. ``layout_key(...)`` is the key ``CompiledDecoder`` uses: what its graphs specialise on
-(the model math's constants, dtype, device, the shapes of every dense weight, the experts' source).
+(the model math's constants, dtype, device, the shapes of every dense weight, the experts' source,
+the compile options that differ between decoders).
 
 Why: every ``CompiledDecoder`` compiles the same functions (``attention_and_route``, its bound
 ``_target_graph`` ...), so their code objects, hence one recompile limit (8 graphs each), were
@@ -40,9 +41,11 @@ def per_layout(fn: Callable, key: tuple) -> Callable:
 
 
 def layout_key(constants: Any, dtype: torch.dtype, device: torch.device, weights: Iterable[Tensor | None],
-               source: str) -> tuple:
+               source: str, options: tuple = ()) -> tuple:
     """A hashable key of what a decoder's graphs specialise on: ``constants`` (hashable: the model
-    math's ``Arch``), the dtype and device, each weight's shape (None where a layer has none) and
-    where the experts come from."""
+    math's ``Arch``), the dtype and device, each weight's shape (None where a layer has none),
+    where the experts come from and the compile ``options`` that differ between decoders (CUDA
+    graphs, the C++ wrapper: dynamo would otherwise recompile one code object per option set,
+    against one recompile limit)."""
     shapes = tuple(tuple(w.shape) if isinstance(w, Tensor) else None for w in weights)
-    return constants, str(dtype), str(device), shapes, source
+    return constants, str(dtype), str(device), shapes, source, tuple(options)

@@ -157,6 +157,20 @@ def test_decoders_compiled_for_one_key_share_its_code_and_another_key_gets_its_o
         assert function_of(getattr(second, name)).__code__ == codes[name], name
 
 
+def test_decoders_of_one_layout_under_other_compile_options_get_code_of_their_own(captured):
+    """The decoder's key carries CUDA graphs and the C++ wrapper: dynamo would otherwise recompile
+    one code object per option set against one recompile limit."""
+    model = model_of("mixtral")
+    plain, again = CompiledDecoder(model, max_len=64), CompiledDecoder(model, max_len=64)
+    graphed = CompiledDecoder(model, max_len=64, cuda_graphs=True)
+    wrapped = CompiledDecoder(model, max_len=64, cpp_wrapper=True)
+    for name in COMPILED:
+        code = function_of(getattr(plain, name)).__code__
+        assert function_of(getattr(again, name)).__code__ is code, name
+        assert function_of(getattr(graphed, name)).__code__ is not code, name
+        assert function_of(getattr(wrapped, name)).__code__ is not code, name
+
+
 @pytest.mark.parametrize("dtype_name, cuda_graphs, cpp_wrapper", [
     ("float32", False, False), ("float32", True, True), ("bfloat16", False, True), ("float16", True, False)])
 def test_the_compile_options(captured, dtype_name, cuda_graphs, cpp_wrapper):

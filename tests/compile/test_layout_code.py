@@ -40,7 +40,7 @@ def test_a_bound_method_stays_bound_to_its_object():
     assert add_one.__func__.__code__ is add_five.__func__.__code__  # one layout: shared graphs
 
 
-def test_the_key_follows_shapes_dtype_device_constants_and_source():
+def test_the_key_follows_shapes_dtype_device_constants_source_and_options():
     weights = [torch.zeros(4, 8), None]
     base = layout_key(("arch",), torch.float32, torch.device("cpu"), weights, "resident")
     assert base == layout_key(("arch",), torch.float32, torch.device("cpu"), [torch.ones(4, 8), None], "resident")
@@ -48,6 +48,9 @@ def test_the_key_follows_shapes_dtype_device_constants_and_source():
     assert base != layout_key(("arch",), torch.bfloat16, torch.device("cpu"), weights, "resident")
     assert base != layout_key(("other",), torch.float32, torch.device("cpu"), weights, "resident")
     assert base != layout_key(("arch",), torch.float32, torch.device("cpu"), weights, "cache")
+    options = layout_key(("arch",), torch.float32, torch.device("cpu"), weights, "resident", (False, False))
+    assert options == layout_key(("arch",), torch.float32, torch.device("cpu"), weights, "resident", [False, False])
+    assert options != layout_key(("arch",), torch.float32, torch.device("cpu"), weights, "resident", (False, True))
 
 
 @pytest.mark.slow
