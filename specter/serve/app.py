@@ -121,8 +121,7 @@ class ServerState:
                 if isinstance(event, Failed):
                     raise _failure(event.error)
                 if isinstance(event, Cancelled):
-                    raise ApiError(503, "the request was cancelled (the client went away or the server stops)",
-                                   type="server_error", code="cancelled")
+                    raise _cancelled(event)
         finally:
             watcher.cancel()
             self.scheduler.cancel(job)
@@ -147,7 +146,11 @@ class ServerState:
                     yield sse(_failure(event.error).body())
                     yield SSE_DONE
                     return
-                else:  # Cancelled: nobody to tell, or the server stops
+                elif event.by_shutdown:  # Cancelled: the client is still there to be told
+                    yield sse(_cancelled(event).body())
+                    yield SSE_DONE
+                    return
+                else:  # Cancelled: the client went away, nobody to tell
                     return
         finally:
             watcher.cancel()
@@ -162,6 +165,13 @@ class ServerState:
                 if message["type"] == "http.disconnect":
                     self.scheduler.cancel(job)
                     return
+
+
+def _cancelled(event: Cancelled) -> ApiError:
+    if event.by_shutdown:
+        return ApiError(503, "the server is shutting down: the request was cancelled", type="server_error",
+                        code="shutting_down")
+    return ApiError(503, "the request was cancelled (the client went away)", type="server_error", code="cancelled")
 
 
 def _failure(error: BaseException) -> ApiError:
@@ -229,7 +239,7 @@ async def _api_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, ApiError)
     if 400 <= error.status < 500 and error.status != 429:
         _state(request).metrics.count_request("rejected_invalid")
-    elif error.status >= 500:
+    elif error.code == "chat_template_invalid":  # the scheduler never saw it: counted here (a cancel was there)
         _state(request).metrics.count_request("failed")
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 

@@ -50,7 +50,7 @@ class Prompts:
         self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         rows = _embedding_rows(engine)
         self.vocab_size = rows if rows is not None else len(self.tokenizer) if self.tokenizer is not None else None
-        self.template_problem = _syntax_problem(self.chat_template) if self.chat_template else None
+        self.template_problem = template_syntax_problem(self.chat_template) if self.chat_template else None
         if self.template_problem is not None:
             log.warning("the tokenizer's chat template does not parse (%s): chat requests will fail; %s",
                         self.template_problem, _FIX)
@@ -63,7 +63,7 @@ class Prompts:
     def chat_template(self, template: str | None) -> None:
         if self.tokenizer is None:
             raise SpecterError("chat template: the model ships no tokenizer")
-        problem = _syntax_problem(template) if template is not None else None
+        problem = template_syntax_problem(template) if template is not None else None
         if problem is not None:
             raise SpecterError(f"chat template: {problem}")
         self.tokenizer.chat_template = template
@@ -118,7 +118,7 @@ class Prompts:
         return requested
 
 
-def _syntax_problem(template: str) -> str | None:
+def template_syntax_problem(template: str) -> str | None:
     """``"line N: message"`` where ``template`` is not valid Jinja, else None (parsing only, with
     the loop-control extension transformers' templates may use)."""
     try:

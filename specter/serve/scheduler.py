@@ -9,13 +9,17 @@ Contract:
 - A job reports to its request through ``job.events``, an ``asyncio.Queue`` that the worker fills
   with ``loop.call_soon_threadsafe``: any number of ``Delta`` (new text, tokens so far), then
   exactly one terminal event, ``Done`` (final text, finish reason, counts, figures), ``Failed``
-  (the exception) or ``Cancelled``.
+  (the exception) or ``Cancelled`` (``by_shutdown`` when ``close`` cancelled it). The terminal
+  event comes after the job's bookkeeping (``busy``, the queue gauge, ``requests_total``), so a
+  client that has its answer sees them updated.
 - ``cancel(job)`` (idempotent, from any thread): a waiting job leaves the queue at once; a
   decoding job is stopped at the engine's next step (the ``on_tokens`` hook raises), so a client
   that goes away frees the engine within one decoding step. A job that already finished is left
   alone.
-- ``close()`` cancels everything and stops the worker; it does not close the engine (its owner
-  does).
+- ``close(timeout)`` refuses new jobs, cancels everything (waiting jobs at once, the decoding one
+  at its next step, each told ``Cancelled(by_shutdown=True)``) and waits up to ``timeout`` seconds
+  for the worker (0: not at all, e.g. from a signal handler); it does not close the engine (its
+  owner does). Calling it again only waits.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class Failed:
 
 @dataclass(frozen=True)
 class Cancelled:
-    pass
+    by_shutdown: bool = False  # the server stops (``close``), rather than the client went away
 
 
 class QueueFull(Exception):
@@ -176,7 +180,7 @@ class Scheduler:
                 job._cancel.set()
                 job.state = "cancelled"
                 self.metrics.count_request("cancelled")
-                job.emit(Cancelled())
+                job.emit(Cancelled(by_shutdown=True))
             self._waiting.clear()
             self.metrics.set_queue(0, self._running is not None)
             if self._running is not None:
@@ -204,22 +208,24 @@ class Scheduler:
         while (job := self._next()) is not None:
             started = time.perf_counter()
             try:
-                outcome = self._run(job, queue_wait_s=started - job.enqueued_at)
+                outcome, final = self._run(job, queue_wait_s=started - job.enqueued_at)
             except BaseException as error:  # noqa: BLE001 - reported to the request, worker lives on
-                outcome = "failed"
-                job.emit(Failed(error))
+                outcome, final = "failed", Failed(error)
             with self._cond:
                 job.state = "finished"
                 self._running = None
                 self.metrics.set_queue(len(self._waiting), False)
+                if outcome == "cancelled":
+                    final = Cancelled(by_shutdown=self._closed)
             self.metrics.count_request(outcome)
+            job.emit(final)  # after the bookkeeping: a client holding its answer sees it done
             if outcome != "cancelled":
                 self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.perf_counter() - started)
 
-    def _run(self, job: Job, queue_wait_s: float) -> str:
+    def _run(self, job: Job, queue_wait_s: float) -> tuple[str, object]:
+        """Decode ``job``, emitting its deltas: (outcome, the terminal event for ``_work`` to emit)."""
         if job.cancelled:
-            job.emit(Cancelled())
-            return "cancelled"
+            return "cancelled", Cancelled()
         engine = self.engine
         stream = TextStream(engine.decode_text, job.stop, engine.eos_token_id)
         clock = {"start": time.perf_counter(), "first": None, "last": None, "tokens": 0}
@@ -240,8 +246,7 @@ class Scheduler:
             result = engine.generate([job.prompt_ids], job.max_tokens, sampling=job.sampling, seed=job.seed,
                                      on_tokens=on_tokens)
         except _ClientGone:
-            job.emit(Cancelled())
-            return "cancelled"
+            return "cancelled", Cancelled()
         report = result.report
         completion_tokens = len(result.token_ids[0])
         delta, _ = stream.update(result.token_ids[0], final=True)  # nothing once a stop matched
@@ -250,8 +255,7 @@ class Scheduler:
         finish = "stop" if stream.stopped or stream.ended_by_eos else "length"
         figures = self._figures(report, clock, queue_wait_s)
         self.metrics.observe_completion(len(job.prompt_ids), completion_tokens, figures)
-        job.emit(Done(stream.text, finish, len(job.prompt_ids), completion_tokens, figures))
-        return "completed"
+        return "completed", Done(stream.text, finish, len(job.prompt_ids), completion_tokens, figures)
 
     def _figures(self, report: dict, clock: dict, queue_wait_s: float) -> dict:
         """The ``specter`` extension field of a response (see docs/serve.md)."""

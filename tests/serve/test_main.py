@@ -38,6 +38,30 @@ def test_mistakes_exit_2_with_one_line(args, message, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
+def test_a_template_that_is_not_jinja_and_an_empty_api_key_exit_2_before_loading(tmp_path, monkeypatch, capsys):
+    import specter.api
+
+    monkeypatch.setattr(specter.api, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    assert main([str(RECIPE), "--chat-template", str(template)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --chat-template: {template}: line 2: ")
+    assert main([str(RECIPE), "--api-key", ""]) == 2  # e.g. --api-key "$UNSET": not silently keyless
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --api-key: empty")
+    monkeypatch.setenv("SPECTER_API_KEY", "")  # an empty variable is an unset one: no key, no error
+    monkeypatch.setattr(specter.api, "load", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert main([str(RECIPE)]) == 130
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "-1", "http"])
+def test_a_port_outside_1_to_65535_is_a_usage_error(port, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([str(RECIPE), "--port", port])
+    assert info.value.code == 2 and "argument --port: " in capsys.readouterr().err
+
+
 def test_a_port_in_use_exits_2_before_loading(capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -524,11 +524,11 @@ def test_close_cancels_every_job_stops_the_worker_and_leaves_the_engine_open(mak
         closer = threading.Thread(target=scheduler.close, kwargs={"timeout": 5})
         closer.start()  # close() waits for the worker, which waits for the held step
         for each in waiting:
-            assert await outcome(each) == [Cancelled()]
+            assert await outcome(each) == [Cancelled(by_shutdown=True)]  # told at once, the server stops
         assert scheduler.queue_depth == 0
         engine.release.set()
         await until(lambda: not closer.is_alive())
-        assert await outcome(running) == [Delta("A", 1), Cancelled()]
+        assert await outcome(running) == [Delta("A", 1), Cancelled(by_shutdown=True)]
         assert engine.calls[0]["hooks"] == 2 and len(engine.calls) == 1
         assert not engine.calls[0]["thread"].is_alive()  # the worker thread ended
         assert not engine.closed  # its owner closes the engine
@@ -552,3 +552,31 @@ def test_closing_an_idle_scheduler_is_prompt(make_scheduler):
     started = time.perf_counter()
     scheduler.close(timeout=5)
     assert time.perf_counter() - started < 1.0 and not worker.is_alive()
+
+
+def test_the_terminal_event_comes_after_the_bookkeeping(make_scheduler):
+    """A client holding its answer sees the engine free and its request counted (the worker used to
+    emit ``Done`` first: a request answered 200 could still be missing from ``completed``)."""
+    boom = RuntimeError("boom")
+    engine = FakeEngine({tuple(tokens("f")): [boom]})
+    scheduler = make_scheduler(engine)
+    metrics = scheduler.metrics
+    original = metrics.count_request
+
+    def slow_count(outcome_name: str) -> None:
+        time.sleep(0.05)  # an event emitted before the count would be read before it lands
+        original(outcome_name)
+
+    metrics.count_request = slow_count
+    seen = []
+
+    async def scenario() -> None:
+        for text, outcome_name in (("o", "completed"), ("f", "failed")):
+            each = job(text, max_tokens=2)
+            scheduler.submit(each)
+            while not isinstance(event := await asyncio.wait_for(each.events.get(), 5), TERMINAL):
+                pass
+            seen.append((type(event).__name__, scheduler.busy, metrics.requests[outcome_name]))  # at arrival
+
+    asyncio.run(scenario())
+    assert seen == [("Done", False, 1), ("Failed", False, 1)]
