@@ -82,6 +82,28 @@ def check_plugin_names(recipe: Recipe) -> None:
             plugins.get(choice.kind, choice.name, key=choice.key)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (YAML keeps the last one
+    silently: a second ``offload:`` section would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: safe_load's own error follows
+                    continue
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} is given twice in one mapping (first on line "
+                                    f"{first.start_mark.line + 1}); keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path) -> Any:
     shown = _plain(str(path))
     try:
@@ -95,7 +117,7 @@ def _read_yaml(path: Path) -> Any:
     except (OSError, ValueError) as exc:
         raise _error("recipe", f"cannot read {shown}: {exc}") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark is not None else shown

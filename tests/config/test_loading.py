@@ -210,3 +210,24 @@ def test_an_override_is_held_to_the_same_bounds_as_the_recipe() -> None:
     with pytest.raises(SpecterError, match=r"^recipe: nested deeper than 32 levels"):
         load_recipe({}, [f"speculation.governor.options={{x: {deep}}}"])
     assert load_recipe({}, ["speculation.governor.options={x: [[1]]}"]).speculation.governor.options == {"x": [[1]]}
+
+
+@pytest.mark.parametrize("text, key, first_line, line", [
+    ("offload:\n  expert_budget: 0.25\nmax_new_tokens: 4\noffload:\n  link: {kind: local}\n", "offload", 1, 4),
+    ("max_new_tokens: 4\nmax_new_tokens: 8\n", "max_new_tokens", 1, 2),
+    ("offload: {expert_budget: 0.25, expert_budget: 0.5}\n", "expert_budget", 1, 1),
+])
+def test_a_key_given_twice_in_a_file_is_refused_naming_both_lines(tmp_path: Path, text, key, first_line, line) -> None:
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text(text)  # YAML itself keeps the last value silently
+    message = error_of(recipe)
+    assert message.startswith(f"recipe: {recipe}:{line}:")
+    assert f"'{key}' is given twice in one mapping (first on line {first_line}); keep one" in message
+
+
+def test_a_merged_mapping_may_override_the_keys_it_merges(tmp_path: Path) -> None:
+    from specter.config.loading import _read_yaml
+
+    recipe = tmp_path / "merged.yaml"
+    recipe.write_text("base: &base {expert_budget: 0.25, experts_on: host}\noffload:\n  <<: *base\n  expert_budget: 0.5\n")
+    assert _read_yaml(recipe)["offload"] == {"expert_budget": 0.5, "experts_on": "host"}
