@@ -49,8 +49,8 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def make_link(recipe, device: torch.device, store=None):
-    """The recipe's link plugin (``auto``: cuda on a CUDA device, else emulated; ``disk`` for the
-    disk tier), bound to ``device``. With ``offload.host_budget`` it is the host-to-device link of
+    """The recipe's link plugin (``auto``: disk where ``experts_on`` is disk without a host tier,
+    else cuda on a CUDA device, else emulated), bound to ``device``. With ``offload.host_budget`` it is the host-to-device link of
     a ``HostTierLink`` sized for ``store`` (which must then be given), which reads the disk."""
     spec, offload = recipe.offload.link, recipe.offload
     tiered = offload.host_budget is not None
@@ -61,9 +61,13 @@ def make_link(recipe, device: torch.device, store=None):
     if tiered and kind == "disk":
         raise SpecterError("offload.link.kind: with offload.host_budget the host tier reads the disk and "
                            "offload.link is the host-to-device link: use auto, cuda, emulated or local")
-    if not tiered and (kind == "disk") != (offload.experts_on == "disk"):
+    if not tiered and kind == "disk" and offload.experts_on != "disk":
         raise SpecterError("offload.link.kind: the disk link reads experts from the checkpoint: use it with "
                            "offload.experts_on: disk (and only it)")
+    if not tiered and kind != "disk" and offload.experts_on == "disk":
+        raise SpecterError(f"offload.link.kind: {kind!r} copies from host memory, but offload.experts_on is disk "
+                           "with no host tier: use disk or auto (or set offload.host_budget for a host tier "
+                           "in front of the disk)")
     if kind == "cuda" and device.type != "cuda":
         raise SpecterError(f"offload.link.kind: 'cuda' needs a CUDA device, but the device is {device}; use emulated or local")
     options = {"gbps": spec.gbps, "latency_us": spec.latency_us} if kind == "emulated" else {}

@@ -30,7 +30,7 @@ MAX_K = 32  # the most draft tokens per speculative round (speculation.governor.
 MAX_SEED = 2**32 - 1
 MAX_THREADS = 1024
 BUNDLED_PREFIX = "bundled:"
-AUTO_LINK = "auto"  # the engine picks cuda on a CUDA device, else emulated
+AUTO_LINK = "auto"  # the engine picks the link: see LinkConfig.kind
 
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n",
@@ -78,7 +78,8 @@ class LinkConfig(_Section):
 
     _path = "offload.link"
     kind: str = _field("link plugin moving expert bytes host->device (see --list-plugins), or auto "
-                       "(cuda on a CUDA device, else emulated)", "auto",
+                       "(disk where experts_on is disk without a host tier, else cuda on a CUDA device, "
+                       "else emulated)", "auto",
                        **_non_empty("plugin name"))
     gbps: float = _field("bandwidth in GB/s (the emulated link paces copies to it)", 2.0,
                          check=lambda v: v > 0, allowed="a number > 0")

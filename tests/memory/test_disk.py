@@ -103,6 +103,9 @@ def test_a_short_read_while_decoding_names_the_file_and_tensor(sharded, monkeypa
 def test_the_disk_link_needs_the_disk_tier_and_a_cpu(sharded):
     with pytest.raises(SpecterError, match="offload.link.kind: the disk link reads experts from the checkpoint"):
         specter.load(recipe(sharded, experts_on="host", link={"kind": "disk"}))
+    with pytest.raises(SpecterError, match=r"offload.link.kind: 'emulated' copies from host memory, but "
+                                           r"offload.experts_on is disk with no host tier: use disk or auto"):
+        specter.load(recipe(sharded, experts_on="disk", link={"kind": "emulated"}))
 
 
 LOAD_PEAK_SCRIPT = """
