@@ -113,7 +113,16 @@ class Prompts:
         try:
             self.engine.check_context(ids, requested)
         except SpecterError as error:
-            raise ApiError(400, f"{error}", param="max_tokens" if limit and len(ids) < limit else "prompt",
+            if limit is None or not ids:
+                raise ApiError(400, f"{error}", param="prompt", code="context_length_exceeded") from None
+            if len(ids) >= limit:
+                message = (f"prompt: {len(ids)} tokens leave no room to generate in the model's context of "
+                           f"{limit} positions; shorten the prompt")
+            else:
+                message = (f"max_tokens: the prompt's {len(ids)} tokens + max_tokens {requested} = "
+                           f"{len(ids) + requested} positions exceed the model's context of {limit}; at most "
+                           f"{limit - len(ids)} fit")
+            raise ApiError(400, message, param="max_tokens" if len(ids) < limit else "prompt",
                            code="context_length_exceeded") from None
         return requested
 
