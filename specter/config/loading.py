@@ -32,7 +32,8 @@ def load_recipe(
     ``load_recipe(recipe.to_dict())`` would lose, breaking relative paths).
 
     Override values are parsed with ``yaml.safe_load`` (``0.25`` is a float, ``true`` a bool,
-    ``[a, b]`` a list, ``2GiB`` a string); keys under an ``options`` mapping are free-form. With
+    ``[a, b]`` a list, ``2GiB`` a string, an empty value or ``null`` None; a value YAML would read
+    as a comment alone, ``# TODO``, stays that text); keys under an ``options`` mapping are free-form. With
     ``check_plugins`` the names of the plugins the engine uses must be registered. ``source_dir``
     is where relative paths of a mapping source are looked up (after the current directory).
     """
@@ -80,6 +81,9 @@ def check_plugin_names(recipe: Recipe) -> None:
     for choice in recipe.plugins_used():
         if (choice.kind, choice.name) != ("link", AUTO_LINK):
             plugins.get(choice.kind, choice.name, key=choice.key)
+
+
+_YAML_NULLS = ("", "~", "null", "Null", "NULL")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -141,6 +145,8 @@ def _apply_override(raw: dict[str, Any], item: object) -> None:
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
         shown = _show(text)
         raise _error(display_key(dotted), f"cannot parse override value {shown} as YAML: {problem}") from None
+    if value is None and text.strip() not in _YAML_NULLS:  # "# not a comment": YAML reads a comment as null
+        value = text
     parts = dotted.split(".")
     section: type | None = Recipe
     node = raw

@@ -231,3 +231,14 @@ def test_a_merged_mapping_may_override_the_keys_it_merges(tmp_path: Path) -> Non
     recipe = tmp_path / "merged.yaml"
     recipe.write_text("base: &base {expert_budget: 0.25, experts_on: host}\noffload:\n  <<: *base\n  expert_budget: 0.5\n")
     assert _read_yaml(recipe)["offload"] == {"expert_budget": 0.5, "experts_on": "host"}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("# a comment-looking prompt", "# a comment-looking prompt"),  # YAML alone would read None
+    ("  #x", "  #x"),
+    ("", None),
+    ("null", None),
+    ("~", None),
+])
+def test_an_override_value_yaml_reads_as_a_comment_alone_stays_text(text, expected) -> None:
+    assert load_recipe({}, [f"prompt={text}"]).prompt == expected
