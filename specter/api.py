@@ -3,6 +3,8 @@
 Contract:
 - ``load(recipe, overrides=())`` takes a recipe path, a dict, or a ``Recipe`` and returns a
   ready ``Engine``; ``engine.generate(prompts)`` returns texts, token ids and the report.
+  ``overrides`` (here and in ``run_recipe``) is a list of ``"dotted.key=value"`` strings, one such
+  string, or None (none).
 - ``run_recipe(recipe, overrides=())`` does what ``python -m specter.run`` does: generate for the
   recipe's prompts and, for greedy runs of a non-resident engine with ``check_lossless``, compare
   the tokens with the ``resident`` engine's and set ``report["lossless"]``.
@@ -14,30 +16,40 @@ Contract:
   ``model.set_experts_implementation`` is refused (call ``remove()`` first), gradients flow to
   the inputs (expert weights are frozen), and a user's ``torch.compile`` of the model treats the
   offloaded experts as opaque (a graph break; no guards on the cache's bookkeeping).
+  ``offload`` refuses, with a ``SpecterError`` naming the argument and leaving the model as it
+  was, anything but a ``torch.nn.Module``, a ``link`` that is neither a name nor a dict, and a
+  model whose experts are already offloaded (by ``offload`` or an engine): call the earlier
+  handle's ``remove()`` first. ``remove()`` is idempotent: later calls do nothing (so a stale
+  handle never undoes a newer offload of the same model).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from specter.build import build_engine
 from specter.decode.engine import Engine, GenerationResult
 from specter.config import Recipe, load_recipe
-from specter.errors import SpecterError
+from specter.errors import SpecterError, bounded_repr
 
 
-def as_recipe(recipe: str | Path | dict | Recipe, overrides: Sequence[str] = ()) -> Recipe:
+def as_recipe(recipe: str | Path | dict | Recipe, overrides: Sequence[str] | str | None = ()) -> Recipe:
+    overrides = () if overrides is None else overrides
+    if isinstance(overrides, Mapping):
+        example = [f"{key}={value}" for key, value in list(overrides.items())[:2]]
+        raise SpecterError(f"overrides: expected a list of 'dotted.key=value' strings (or one such string, or "
+                           f"None), got a dict; write {bounded_repr(example)}")
     if isinstance(recipe, Recipe):
         return load_recipe(recipe, overrides) if overrides else recipe
     return load_recipe(recipe, overrides)
 
 
-def load(recipe: str | Path | dict | Recipe, overrides: Sequence[str] = ()) -> Engine:
+def load(recipe: str | Path | dict | Recipe, overrides: Sequence[str] | str | None = ()) -> Engine:
     return build_engine(as_recipe(recipe, overrides))
 
 
@@ -52,7 +64,7 @@ def first_mismatch(a: list[list[int]], b: list[list[int]]) -> dict | None:
 
 
 def run_recipe(
-    recipe: str | Path | dict | Recipe, overrides: Sequence[str] = (),
+    recipe: str | Path | dict | Recipe, overrides: Sequence[str] | str | None = (),
     progress: Callable[[str], None] | None = None,
 ) -> GenerationResult:
     recipe = as_recipe(recipe, overrides)
@@ -86,6 +98,7 @@ class OffloadHandle:
     cache: object
     store: object
     link: object
+    removed: bool = field(default=False, init=False)  # remove() ran: later calls do nothing
 
     @property
     def stats(self):
@@ -126,9 +139,13 @@ class OffloadHandle:
 
     def remove(self) -> None:
         """Undo ``offload``: put the host experts back into the model on its device and restore
-        the model's own experts implementation. The device cache is freed with the handle."""
+        the model's own experts implementation. The device cache is freed with the handle.
+        Idempotent: a second call does nothing (even after the model was offloaded again)."""
         from specter.experts.runtime import uninstall
 
+        if self.removed:
+            return
+        self.removed = True
         self._unguard()
         uninstall(self.model)
         for info in self.runtime.layers.values():
@@ -152,7 +169,16 @@ def offload(
     from specter.model.compat import require_supported_transformers
 
     require_supported_transformers()
-    device = next(p.device for p in model.parameters())
+    if not isinstance(model, torch.nn.Module):
+        raise SpecterError(f"model: expected a loaded transformers MoE model (a torch.nn.Module, e.g. from "
+                           f"AutoModelForCausalLM.from_pretrained), got {type(model).__name__}")
+    if any(hasattr(module, "_specter_runtime") for module in model.modules()):
+        raise SpecterError("model: its experts are already offloaded by specter (specter.offload or an engine); "
+                           "keep using that offload's handle, or call its remove() before offloading again")
+    if not isinstance(link, (str, Mapping)):
+        raise SpecterError(f"link: expected a link name (auto, local, emulated, cuda, ...) or a dict such as "
+                           f"{{'kind': 'emulated', 'gbps': 5.0}}, got {type(link).__name__} {bounded_repr(link)}")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     link_spec = {"kind": link} if isinstance(link, str) else dict(link)
     recipe = load_recipe({"offload": {"expert_budget": expert_budget, "link": link_spec,
                                       "cache_policy": {"name": cache_policy}}})

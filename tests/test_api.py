@@ -20,7 +20,7 @@ import yaml
 
 import specter
 from specter.api import first_mismatch, run_recipe
-from specter.errors import BudgetError, UnknownPluginError
+from specter.errors import BudgetError, SpecterError, UnknownPluginError
 from specter.model.layout import is_experts_module, moe_layers
 from specter.testing.zoo import random_model, save_byte_tokenizer, save_random_checkpoint
 
@@ -113,6 +113,56 @@ def test_a_refused_offload_leaves_the_model_untouched(kwargs, error, match):
     assert greedy(model) == before
 
 
+@pytest.mark.parametrize("model, kwargs, match", [
+    ("model", {}, r"^model: expected a loaded transformers MoE model \(a torch.nn.Module"),
+    (None, {"link": 5}, r"^link: expected a link name .* or a dict .*got int 5"),
+    (None, {"link": None}, r"^link: expected a link name"),
+])
+def test_offload_refuses_a_wrong_argument_naming_it(model, kwargs, match):
+    target = random_model("mixtral", seed=0) if model is None else model
+    originals = expert_tensors(target) if model is None else None
+    with pytest.raises(SpecterError, match=match):
+        specter.offload(target, **{"expert_budget": 0.25, **kwargs})
+    if originals is not None:
+        assert all(torch.equal(t, originals[key]) for key, t in expert_tensors(target).items())
+
+
+def test_offloading_an_offloaded_model_is_refused_and_points_at_remove():
+    model = random_model("mixtral", seed=0)
+    before = greedy(model)
+    handle = specter.offload(model, expert_budget=0.25, link="local")
+    with pytest.raises(SpecterError, match=r"^model: its experts are already offloaded by specter.*remove\(\)"):
+        specter.offload(model, expert_budget=0.5, link="local")
+    assert greedy(model) == before and handle.stats.acquired_keys > 0  # the first offload still serves
+    handle.remove()
+    again = specter.offload(model, expert_budget=0.5, link="local")  # after remove() it may be offloaded again
+    assert greedy(model) == before
+    again.remove()
+
+
+def test_an_engines_model_cannot_be_offloaded_again(checkpoint):
+    with specter.load(recipe(checkpoint, "ondemand")) as engine:
+        with pytest.raises(SpecterError, match="already offloaded"):
+            specter.offload(engine.model, link="local")
+
+
+def test_remove_is_idempotent_and_a_stale_handle_leaves_a_newer_offload_alone():
+    model = random_model("mixtral", seed=0)
+    before = greedy(model)
+    first = specter.offload(model, expert_budget=0.25, link="local")
+    first.remove()
+    first.remove()  # a second call does nothing
+    assert first.removed and all(p.shape[0] > 0 for p in expert_parameters(model))
+    assert greedy(model) == before
+    second = specter.offload(model, expert_budget=0.25, link="local")
+    first.remove()  # the stale handle must not undo the newer offload
+    assert any(hasattr(module, "_specter_runtime") for module in model.modules())
+    assert all(p.shape[0] == 0 for p in expert_parameters(model))
+    assert greedy(model) == before and second.stats.acquired_keys > 0
+    second.remove()
+    assert greedy(model) == before
+
+
 # ----------------------------------------------------------------------------- run_recipe
 
 
@@ -181,6 +231,16 @@ def test_load_applies_overrides(checkpoint):
         assert engine.name == "ondemand" and engine.cache.capacity == 4
     finally:
         engine.close()
+
+
+def test_load_takes_none_or_one_string_as_overrides_and_refuses_a_dict(checkpoint):
+    for overrides in (None, (), "engine=resident"):
+        with specter.load(recipe(checkpoint, "resident"), overrides=overrides) as engine:
+            assert engine.name == "resident"
+    assert specter.api.as_recipe(recipe(checkpoint, "ondemand"), None).engine == "ondemand"
+    with pytest.raises(SpecterError, match=r"^overrides: expected a list of 'dotted.key=value' strings.*"
+                                           r"\['engine=ondemand'\]"):
+        specter.load(recipe(checkpoint, "resident"), overrides={"engine": "ondemand"})
 
 
 # ----------------------------------------------------------------------------- command line

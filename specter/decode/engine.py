@@ -1,9 +1,13 @@
 """Engines: one object per (model, strategy) that turns prompts into tokens and a report.
 
 Contract: ``build_engine(recipe)`` loads the recipe's model the way its engine needs it and
-returns an ``Engine``; ``engine.generate(prompts)`` (texts or token-id lists) returns a
-``GenerationResult`` with texts, token ids and the ``specter.report/1`` report; ``close()`` (or
-leaving ``with engine:``) stops its link's copy thread. Engines:
+returns an ``Engine``; ``engine.generate(prompts)`` (a list of texts or token-id lists) returns a
+``GenerationResult`` with texts, token ids and the ``specter.report/1`` report, one entry per prompt
+(none for an empty list); its arguments are checked once, before any decoding
+(``specter.decode.prompt_check``): a misuse raises ``SpecterError`` naming the argument.
+``close()`` (or leaving ``with engine:``) stops its link's copy thread (a second call does no
+harm); afterwards ``generate`` / ``generate_by_prompt`` raise ``SpecterError`` ("... engine is
+closed"), whichever class's ``close()`` ran (a subclass's own is wrapped to mark it). Engines:
 
 - ``resident``: every weight on the device (the speed limit); on a CPU its experts run through the
   same grouped kernel as the offloaded engines' slots (``specter.kernels.grouped_experts``) where
@@ -20,6 +24,7 @@ All engines share the decoding loop, metrics and report code so comparisons are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Sequence
@@ -31,6 +36,7 @@ from specter.errors import SpecterError
 from specter.experts.runtime import ExpertRuntime, install, use_grouped_kernel
 from specter.model.expert_layout import is_blocked
 from specter.decode.kv import forward_logits, new_kv_cache, synchronize
+from specter.decode.prompt_check import as_token_ids, check_generate_args
 from specter.report.metrics import GenerationMetrics
 from specter.decode.sampling import SamplingParams, sample
 
@@ -61,6 +67,12 @@ class Engine:
 
     name = "base"
     compilable = False  # whether specter.compile can run its steps (its model math is the model's own)
+    closed = False  # set by close() (any class's): generate then refuses
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "close" in cls.__dict__:  # a subclass's own close() marks the engine closed too
+            cls.close = _marking_closed(cls.__dict__["close"])
 
     def __init__(self, recipe, model, tokenizer, device: torch.device, model_path) -> None:
         self.recipe = recipe
@@ -164,7 +176,7 @@ class Engine:
                 raise SpecterError(f"model: {self.model_path} ships no tokenizer; pass token ids instead of text")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             return ids or [self.tokenizer.bos_token_id or 0]
-        return [int(t) for t in prompt]
+        return as_token_ids(prompt)
 
     @property
     def context_length(self) -> int | None:
@@ -211,27 +223,35 @@ class Engine:
         progress: ProgressCallback | None = None, *, sampling: SamplingParams | None = None,
         seed: int | None = None, on_tokens: TokensCallback | None = None,
     ) -> Generator[int, None, GenerationResult]:
-        """``generate`` one prompt at a time: a generator that yields each prompt's index once it
-        is decoded and returns the ``GenerationResult`` (``StopIteration.value``), whose report
-        covers every prompt. The caller may run other work between prompts (the bench interleaves
-        engines prompt by prompt); ``wall_s`` counts only the time spent inside this call."""
+        """``generate`` one prompt at a time: a generator that yields a prompt's index once it is
+        decoded, for every prompt but the last; after the last prompt it yields nothing more and
+        returns the ``GenerationResult`` (``StopIteration.value``), whose report covers every
+        prompt. So n prompts give n - 1 yields (none for one prompt or an empty list). The caller
+        may run other work between prompts (the bench interleaves engines prompt by prompt);
+        ``wall_s`` counts only the time spent inside this call. The arguments are checked (and text
+        prompts tokenised) when it is called, before the generator is returned; a closed engine
+        is refused then and before each prompt."""
+        self._refuse_if_closed()
+        encoded, max_new, sampling, seed = check_generate_args(self, prompts, max_new_tokens, progress,
+                                                               sampling, seed, on_tokens)
+        return self._decode_by_prompt(encoded, max_new, progress, sampling, seed, on_tokens)
+
+    def _decode_by_prompt(self, encoded: list[list[int]], max_new: int, progress, sampling, seed: int,
+                          on_tokens) -> Generator[int, None, GenerationResult]:
         from specter.report.schema import build_report
 
-        max_new = self.recipe.max_new_tokens if max_new_tokens is None else check_max_new_tokens(max_new_tokens)
-        generator = torch.Generator(device=self.device).manual_seed(self.recipe.seed if seed is None else int(seed))
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         metrics = GenerationMetrics()
         self.reset_counters()
         compile_before = self.compiled.snapshot() if self.compiled is not None else None
-        encoded = [self.encode(prompt) for prompt in prompts]
-        for index, prompt_ids in enumerate(encoded):
-            self.check_context(prompt_ids, max_new, f"prompt {index + 1}")
         all_new = []
         for index, prompt_ids in enumerate(encoded):
+            self._refuse_if_closed()  # closed between two prompts
             started = time.perf_counter()
             recipe_sampling, self.sampling = self.sampling, sampling or self.sampling
             try:
                 with torch.inference_mode():
-                    on_step = self._step_hook(index, len(prompts), progress, on_tokens)
+                    on_step = self._step_hook(index, len(encoded), progress, on_tokens)
                     all_new.append(self.decode_prompt(prompt_ids, max_new, generator, metrics, on_step))
             finally:
                 self.sampling = recipe_sampling
@@ -259,8 +279,15 @@ class Engine:
 
         return on_step
 
+    def _refuse_if_closed(self) -> None:
+        if self.closed:
+            raise SpecterError(f"generate: this {self.name} engine is closed (close() was called, or its with "
+                               f"block ended); load a new engine to generate again")
+
     def close(self) -> None:
-        pass
+        """Subclasses release what they hold here (a link's copy thread, an offload folder); a
+        second call does no harm. The engine cannot generate afterwards."""
+        self.closed = True
 
     def __enter__(self) -> "Engine":
         return self
@@ -269,11 +296,16 @@ class Engine:
         self.close()
 
 
-def check_max_new_tokens(value) -> int:
-    """The API's check of a per-call ``max_new_tokens``: an integer >= 1 (as the recipe requires)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecterError(f"max_new_tokens: must be an integer >= 1, got {value!r}")
-    return value
+def _marking_closed(close: Callable) -> Callable:
+    """``close`` that also marks the engine closed, even when it raises."""
+    @functools.wraps(close)
+    def marked(self, *args, **kwargs):
+        try:
+            return close(self, *args, **kwargs)
+        finally:
+            self.closed = True
+
+    return marked
 
 
 class ResidentEngine(Engine):

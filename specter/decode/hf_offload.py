@@ -55,8 +55,8 @@ class HFOffloadEngine(Engine):
     each forward too, so both read from the disk, as on a machine whose RAM cannot hold them.
 
     Decoding goes through the base ``Engine`` loop (the model's own forward with a DynamicCache),
-    so greedy tokens equal the resident engine's. ``close()`` deletes the offload folder (so the
-    engine cannot generate afterwards); it is also deleted at interpreter exit.
+    so greedy tokens equal the resident engine's. ``close()`` deletes the offload folder (it is
+    also deleted at interpreter exit); ``generate`` then raises ``SpecterError`` (engine closed).
     """
 
     name = "hf-offload"

@@ -36,6 +36,7 @@ from typing import Sequence
 
 import jinja2
 
+from specter.decode.prompt_check import embedding_rows
 from specter.errors import SpecterError
 from specter.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
@@ -48,7 +49,7 @@ class Prompts:
         self.engine = engine
         self.default_max_tokens = default_max_tokens
         self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        rows = _embedding_rows(engine)
+        rows = embedding_rows(getattr(engine, "model", None))
         self.vocab_size = rows if rows is not None else len(self.tokenizer) if self.tokenizer is not None else None
         self.template_problem = template_syntax_problem(self.chat_template) if self.chat_template else None
         if self.template_problem is not None:
@@ -140,11 +141,3 @@ def template_syntax_problem(template: str) -> str | None:
 def _broken(error: Exception) -> ApiError:
     return ApiError(500, f"the chat template failed on these messages ({type(error).__name__}: {error}); {_FIX}",
                     type="server_error", param="messages", code="chat_template_invalid")
-
-
-def _embedding_rows(engine) -> int | None:
-    """Rows of the engine's model's input embedding, where it has a model that says."""
-    get = getattr(getattr(engine, "model", None), "get_input_embeddings", None)
-    embedding = get() if callable(get) else None
-    rows = getattr(embedding, "num_embeddings", None)
-    return rows if isinstance(rows, int) else None
