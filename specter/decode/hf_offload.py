@@ -24,6 +24,7 @@ from specter.decode.hf_offload_io import OffloadReads
 from specter.memory.budget import budget_slots
 from specter.errors import SpecterError
 from specter.model.loader import check_weights_format
+from specter.quiet import loading_quietly
 
 OFFLOAD_FOLDER_PREFIX = "specter-hf-offload-"
 
@@ -215,8 +216,9 @@ def build_hf_offload(recipe, path, tokenizer, device: torch.device, dtype: torch
             folder = tempfile.mkdtemp(prefix=OFFLOAD_FOLDER_PREFIX)
             placement["offload_folder"] = folder
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=recipe.trust_remote_code, **placement).eval()
+        with loading_quietly():  # transformers' weight-loading bar, as every other engine's load
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=recipe.trust_remote_code, **placement).eval()
     except BaseException as exc:
         if folder is not None:
             _remove_folder(folder)

@@ -162,3 +162,15 @@ def test_accelerate_refusal_is_one_line_and_removes_the_folder(checkpoint, monke
         specter.load(recipe(checkpoint, "hf-offload", 0.25))
     assert "\n" not in str(info.value)
     assert not os.path.exists(seen["folder"])
+
+
+def test_loading_shows_no_weight_loading_bar_unless_verbose(checkpoint, capfd, monkeypatch):
+    from transformers.utils import logging as transformers_logging
+
+    monkeypatch.delenv("SPECTER_VERBOSE", raising=False)
+    transformers_logging.enable_progress_bar()  # as on a terminal: the bar is on until a load hides it
+    capfd.readouterr()
+    engine = specter.load(recipe(checkpoint, "hf-offload", 0.25))
+    engine.close()
+    assert "Loading weights" not in capfd.readouterr().err  # the CLI is quiet about third-party chatter
+    assert transformers_logging.is_progress_bar_enabled()  # restored afterwards
