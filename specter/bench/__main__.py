@@ -1,6 +1,11 @@
 """``python -m specter.bench RECIPE [options]`` runs a bench; ``python -m specter.bench plot
-BENCH.json`` redraws its plots. See ``specter.bench.spec`` for the bench recipe and
-``specter.bench.sweep`` for what is measured."""
+BENCH.json [--out DIR]`` redraws its plots (``specter.bench.plots.main``). See
+``specter.bench.spec`` for the bench recipe and ``specter.bench.sweep`` for what is measured.
+
+A mistake in the recipe or the options (the output folder included) is one line on stderr
+(``error: ...``) and exit code 2, before any engine is built; Ctrl-C prints ``interrupted`` and
+exits 130.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,19 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
+
+DESCRIPTION = """\
+Run engines side by side in one process: every cell of a sweep over expert budgets, links, fixed
+k values, governors and eager/compiled, interleaved and repeated. Writes <title>.json
+(specter.bench/2), <title>.md (the tables) and PNG plots into reports/<title>/ or --out.
+RECIPE is a bench recipe (title, run, sweep: see specter/bench/spec.py) or a plain run recipe,
+benched as one cell. The sweep options below replace the recipe's sweep keys."""
+
+EPILOG = """\
+python -m specter.bench plot BENCH.json [--out DIR]
+  redraws the PNG plots of a bench's JSON file (next to it unless --out is given);
+  see python -m specter.bench plot --help."""
 
 
 def _csv(text: str) -> list[str]:
@@ -23,33 +41,68 @@ def _bools(text: str) -> list[bool]:
         raise argparse.ArgumentTypeError(f"expected eager,compiled (or false,true), got {text!r}") from None
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,4, got {text!r}") from None
+
+
+def _budgets(text: str) -> list:
+    """Comma-separated budgets, each read as YAML (``0.25``, ``2MiB``, ``{per_layer: 8}``), an
+    unquoted word Python reads as a float (``1e-1``, which YAML leaves a string) as that float."""
+    import yaml
+
+    try:
+        nodes = yaml.compose(f"[{text}]", Loader=yaml.SafeLoader).value
+        items = yaml.safe_load(f"[{text}]")
+    except yaml.YAMLError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated budgets such as 0.25,0.5 or '{{per_layer: 8}},2MiB', got {text!r}") from None
+    return [_plain_float(node, item) for node, item in zip(nodes, items)]
+
+
+def _plain_float(node: Any, item: Any) -> Any:
+    if isinstance(item, str) and getattr(node, "style", "") is None:
+        try:
+            return float(item)
+        except ValueError:
+            pass
+    return item
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m specter.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", help="a bench recipe (title/run/sweep) or a plain run recipe")
+    parser = argparse.ArgumentParser(
+        prog="python -m specter.bench", description=DESCRIPTION, epilog=EPILOG,
+        usage="%(prog)s RECIPE [options]\n       %(prog)s plot BENCH.json [--out DIR]",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", metavar="RECIPE", help="a bench recipe (title/run/sweep) or a plain run recipe")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a key of the run recipe (repeatable)")
+                        help="override a key of the run recipe (repeatable); keys the sweep sets in every cell "
+                             "(engine, compile, offload.expert_budget, offload.link, ...) are refused: use the "
+                             "sweep options")
     parser.add_argument("--engines", type=_csv, help="comma-separated engines (replaces sweep.engines)")
-    parser.add_argument("--budgets", type=lambda t: [float(x) if x.replace(".", "", 1).isdigit() else x for x in _csv(t)],
-                        help="comma-separated expert budgets (replaces sweep.budgets)")
-    parser.add_argument("--k", type=lambda t: [int(x) for x in _csv(t)], help="comma-separated fixed k values")
-    parser.add_argument("--governors", type=_csv, help="comma-separated governors (one specter row each)")
-    parser.add_argument("--compile", type=_bools, help="eager, compiled or eager,compiled")
-    parser.add_argument("--links", help="JSON mapping of link names to offload.link settings")
-    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--budgets", type=_budgets,
+                        help="comma-separated expert budgets (replaces sweep.budgets), each a fraction (0.25, 1e-1), "
+                             "{per_layer: N}, {experts: N} or a byte size (2MiB)")
+    parser.add_argument("--k", type=_ints, help="comma-separated fixed k values, one specter row each (replaces sweep.k)")
+    parser.add_argument("--governors", type=_csv,
+                        help="comma-separated governors, one specter row each (replaces sweep.governors)")
+    parser.add_argument("--compile", type=_bools, help="eager, compiled or eager,compiled (replaces sweep.compile)")
+    parser.add_argument("--links", help="JSON mapping of link names to offload.link settings (replaces sweep.links), "
+                        "e.g. '{\"local\": {\"kind\": \"local\"}}'")
+    parser.add_argument("--repeats", type=int, help="timed runs of every engine in every cell (replaces sweep.repeats)")
     parser.add_argument("--twins", type=_csv, help="comma-separated row labels run twice as identical engines "
-                        "(A/A: the run's noise floor), e.g. 'specter k=4'")
+                        "(A/A: the run's noise floor), e.g. 'specter k=4'; '' for none. Twins of rows that "
+                        "--engines, --k or --governors leave out are dropped")
     parser.add_argument("--out", type=Path, help="output directory (default: reports/<title>)")
     parser.add_argument("--no-plots", action="store_true", help="write JSON and markdown only")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "plot":
-        from specter.bench.plots import main as plot_main
-
-        return plot_main(argv[1:])
+def run(argv: list[str]) -> int:
     args = parse_args(argv)
+    from specter.bench.plots import prepare_out_dir
     from specter.bench.spec import load_bench
     from specter.errors import SpecterError
 
@@ -60,15 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             sweep["links"] = json.loads(args.links)
         spec = load_bench(args.recipe, args.overrides, sweep)
         out_dir = args.out or Path("reports") / spec.title
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        prepare_out_dir(out_dir)
     except json.JSONDecodeError as error:
         print(f"error: --links: not valid JSON ({error})", file=sys.stderr)
-        return 2
-    except OSError as error:
-        print(f"error: --out: cannot write to {args.out or out_dir}: {error.strerror}", file=sys.stderr)
         return 2
     except SpecterError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -94,6 +141,19 @@ def main(argv: list[str] | None = None) -> int:
         for path in plot_all(document, out_dir):
             print(f"wrote {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv and argv[0] == "plot":
+            from specter.bench.plots import main as plot_main
+
+            return plot_main(argv[1:])
+        return run(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """How a bench document's numbers are written into its markdown tables: ``-`` for a null, ratios
-as ``1.80x``, budgets as percentages, cells escaped for a pipe table, a row's cell named
-``budget / link / mode``. Used by ``specter.bench.tables`` and ``specter.bench.pairs``."""
+as ``1.80x``, fractions as percentages, budgets as ``specter.bench.budgets.label`` writes them
+(``25%``, ``8 per layer``, ``40 experts``, ``2 MiB``), cells escaped for a pipe table, a row's cell
+named ``budget / link / mode``. Used by ``specter.bench.tables`` and ``specter.bench.pairs``."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from specter.bench import budgets
 
 
 def num(value: float | None, digits: int) -> str:
@@ -47,6 +50,5 @@ def rows_table(columns: Iterable[str], rows: Iterable[Iterable[object]]) -> list
 
 def where(row: dict, mode: bool = True) -> str:
     """The row's cell, ``budget / link``, and (``mode``) ``/ compiled`` or ``/ eager``."""
-    budget = "-" if row.get("budget") is None else pct(row["budget"])
-    cell = f"{budget} / {row.get('link') or '-'}"
+    cell = f"{budgets.label(row.get('budget'))} / {row.get('link') or '-'}"
     return f"{cell} / {'compiled' if row.get('compile') else 'eager'}" if mode else cell

@@ -7,10 +7,14 @@ bench title), and returns the written paths in this order:
 - ``tokens``: decode tokens/s (median, min-max error bars) against budget, one line per engine
   label, one panel per link; a row without a budget (resident) is a horizontal line, a row
   without a link (resident, hf-offload) is drawn in every panel; eager solid, compiled dashed.
+  A budget sits at the share of all experts it gives the model (``specter.bench.budgets.share``)
+  where every budget of the document has one, else at its place in the document's order; its
+  tick is labelled as the tables label it (``25%``, ``8 per layer``, ``2 MiB``), a budget not
+  written as a fraction with its share beside it.
 - ``ratio-heatmap``: the best specter row (by median tokens/s) of each (budget, link) cell,
   its ratio to each baseline present (ondemand, ondemand@same-memory, router-lookahead,
-  resident) over budget x link; one panel per baseline, one row of panels per compile mode,
-  diverging colours centred at 1.0, each cell annotated.
+  resident) over budget (in the order of ``tokens``) x link; one panel per baseline, one row of
+  panels per compile mode, diverging colours centred at 1.0, each cell annotated.
 - ``hit-rate`` and ``io-wait``: hit rate and I/O wait share, laid out as ``tokens``.
 - ``acceptance-k``: acceptance rate and mean k of the specter rows grouped by cell, and the
   k histogram (share of steps, summed over cells per label) when any row has one.
@@ -22,18 +26,24 @@ Titles name the model and the thread count, and say "(emulated link)" when links
 Null or absent metrics are skipped. matplotlib is imported on first use, with the Agg backend.
 ``main(argv)`` takes the arguments after ``plot`` (a leading ``plot`` is dropped), writes next to
 the JSON file unless ``--out`` is given, prints each written path and returns 0; it returns 2
-when the file is not a readable ``specter.bench/2`` document and 1 when nothing could be drawn.
+(one line, ``error: ...``) when the file is not a readable ``specter.bench/2`` document or the
+output folder cannot be written (``prepare_out_dir(path)``: creates it and tries a file in it,
+else raises ``SpecterError("--out: cannot write to PATH: why")``; the bench's own ``--out`` is
+checked the same way), and 1 when nothing could be drawn.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import re
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
+
+from specter.bench import budgets as budget_of
 
 SCHEMA = "specter.bench/2"
 BASELINES = ("ondemand", "ondemand@same-memory", "router-lookahead", "resident")
@@ -59,16 +69,31 @@ def _mean_k(row: dict) -> float | None:
     return row["k_mean"] if row.get("k_mean") is not None else row.get("k")
 
 
-def _pct(budget: float) -> str:
-    return f"{budget * 100:g}%"
-
-
 def _label(row: dict) -> str:
     return row.get("label") or row.get("engine") or "?"
 
 
 def _rows(bench: dict) -> list[dict]:
     return list(bench.get("rows") or [])
+
+
+def _budget_axis(bench: dict) -> tuple[dict[Hashable, tuple[float, str]], bool]:
+    """Each budget of the document (by ``budgets.key``) -> (x, tick label), and whether x is its
+    share of all experts (``budgets.share``, where every budget has one) rather than its place in
+    the document's order. A tick of a budget not written as a fraction also names its share."""
+    written: list = []
+    for value in [*(bench.get("budgets") or []), *(r.get("budget") for r in _rows(bench))]:
+        if value is not None and value not in written:
+            written.append(value)
+    shares = [budget_of.share(value, bench.get("model")) for value in written]
+    by_share = all(share is not None for share in shares)
+    axis = {}
+    for place, (value, share) in enumerate(zip(written, shares)):
+        text = budget_of.label(value)
+        if by_share and not isinstance(value, (int, float)):
+            text += f"\n({share * 100:.3g}%)"
+        axis[budget_of.key(value)] = (share if by_share else float(place), text)
+    return axis, by_share
 
 
 def _links(bench: dict) -> list[str]:
@@ -102,7 +127,11 @@ def _series_figure(bench: dict, what: str, value: Value, errorbars: bool = False
     if not rows:
         return None
     plt = _pyplot()
-    colors, budgets = _colors(bench), sorted({r["budget"] for r in rows if r.get("budget") is not None})
+    colors, (axis, by_share) = _colors(bench), _budget_axis(bench)
+    ticks: dict[float, list[str]] = {}
+    for x, text in sorted(axis[budget_of.key(r["budget"])] for r in rows if r.get("budget") is not None):
+        if text not in ticks.setdefault(x, []):
+            ticks[x].append(text)
     links = _links(bench) or [None]
     fig, axes = plt.subplots(1, len(links), figsize=(5.2 * len(links) + 3.5, 4.8), sharey=True,
                              squeeze=False, layout="constrained")
@@ -117,8 +146,9 @@ def _series_figure(bench: dict, what: str, value: Value, errorbars: bool = False
             for row in (r for r in group if r.get("budget") is None):
                 ax.axhline(value(row), linewidth=1.5, **style)
                 style["label"] = None
-            curve = sorted((r for r in group if r.get("budget") is not None), key=lambda r: r["budget"])
-            xs, ys = [r["budget"] for r in curve], [value(r) for r in curve]
+            curve = sorted((r for r in group if r.get("budget") is not None),
+                           key=lambda r: axis[budget_of.key(r["budget"])][0])
+            xs, ys = [axis[budget_of.key(r["budget"])][0] for r in curve], [value(r) for r in curve]
             if curve and errorbars:
                 stats = [r.get("decode_tokens_per_s") or {} for r in curve]
                 low = [max(y - (s.get("min") if s.get("min") is not None else y), 0.0) for y, s in zip(ys, stats)]
@@ -126,9 +156,9 @@ def _series_figure(bench: dict, what: str, value: Value, errorbars: bool = False
                 ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, **style)
             elif curve:
                 ax.plot(xs, ys, marker="o", **style)
-        if budgets:
-            ax.set_xticks(budgets, [_pct(b) for b in budgets])
-        ax.set_xlabel("expert budget (share of all experts)")
+        if ticks:
+            ax.set_xticks(list(ticks), [" = ".join(texts) for texts in ticks.values()])
+        ax.set_xlabel("expert budget (share of all experts)" if by_share else "expert budget")
         ax.set_title("all rows" if link is None else f"link {link}", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(what)
@@ -145,14 +175,15 @@ def _series_figure(bench: dict, what: str, value: Value, errorbars: bool = False
     return fig
 
 
-def _best_specter(rows: Iterable[dict]) -> dict[tuple[bool, float, str], dict]:
-    best: dict[tuple[bool, float, str], dict] = {}
+def _best_specter(rows: Iterable[dict]) -> dict[tuple[bool, Hashable, str], dict]:
+    """(compiled, budget key, link) -> the specter row of that cell with the highest median."""
+    best: dict[tuple[bool, Hashable, str], dict] = {}
     for row in rows:
         if row.get("engine") != "specter" or row.get("budget") is None or row.get("link") is None:
             continue
         if _median(row) is None:
             continue
-        key = (bool(row.get("compile")), row["budget"], row["link"])
+        key = (bool(row.get("compile")), budget_of.key(row["budget"]), row["link"])
         if key not in best or _median(row) > _median(best[key]):
             best[key] = row
     return best
@@ -168,7 +199,8 @@ def _ratio_figure(bench: dict):
 
     plt = _pyplot()
     modes = sorted({mode for mode, _, _ in best})
-    budgets = sorted({budget for _, budget, _ in best})
+    axis, _ = _budget_axis(bench)
+    budgets = sorted({budget for _, budget, _ in best}, key=lambda budget: axis[budget][0])
     links = [link for link in _links(bench) if any(link == key[2] for key in best)]
     values = [r["ratios"][b] for r in best.values() for b in baselines if (r.get("ratios") or {}).get(b) is not None]
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(values), 0.95), vmax=max(max(values), 1.05))
@@ -191,7 +223,7 @@ def _ratio_figure(bench: dict):
                     dark = ratio is not None and abs(norm(ratio) - 0.5) > 0.3
                     ax.text(x, y, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
             image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", norm=norm, aspect="auto", origin="lower")
-            ax.set_xticks(range(len(budgets)), [_pct(b) for b in budgets])
+            ax.set_xticks(range(len(budgets)), [axis[b][1] for b in budgets])
             ax.set_yticks(range(len(links)), links)
             ax.set_title(f"specter vs {baseline}, {'compiled' if mode else 'eager'}", fontsize=9)
             ax.set_xlabel("expert budget", fontsize=8)
@@ -208,12 +240,13 @@ def _acceptance_figure(bench: dict):
     from matplotlib.patches import Patch
 
     plt = _pyplot()
-    colors, links = _colors(bench), _links(bench)
+    colors, links, (axis, _) = _colors(bench), _links(bench), _budget_axis(bench)
     both_modes = len({bool(r.get("compile")) for r in rows}) > 1
-    cells = sorted(dict.fromkeys((bool(r.get("compile")), r.get("budget"), r.get("link")) for r in rows),
-                   key=lambda c: (c[0], -1.0 if c[1] is None else c[1], links.index(c[2]) if c[2] in links else -1))
+    cell_of = {id(r): (bool(r.get("compile")), budget_of.key(r.get("budget")), r.get("link")) for r in rows}
+    cells = sorted(dict.fromkeys(cell_of.values()), key=lambda c: (
+        c[0], -1.0 if c[1] is None else axis[c[1]][0], links.index(c[2]) if c[2] in links else -1))
     labels = list(dict.fromkeys(_label(r) for r in rows))
-    index = {(bool(r.get("compile")), r.get("budget"), r.get("link"), _label(r)): r for r in rows}
+    index = {(*cell_of[id(r)], _label(r)): r for r in rows}
     histograms: dict[str, Counter] = {}
     for row in rows:
         if row.get("k_histogram"):
@@ -223,7 +256,7 @@ def _acceptance_figure(bench: dict):
     fig, axes = plt.subplots(1, panels, figsize=(2 * bar_width + (5.0 if histograms else 0.0) + 1.5, 4.8),
                              squeeze=False, layout="constrained")
     width = 0.8 / len(labels)
-    ticks = [f"{'-' if budget is None else _pct(budget)}\n{link or '-'}"
+    ticks = [f"{'-' if budget is None else axis[budget][1]}\n{link or '-'}"
              + (("\ncompiled" if compiled else "\neager") if both_modes else "") for compiled, budget, link in cells]
     for ax, value, name in ((axes[0][0], lambda r: r.get("acceptance_rate"), "acceptance rate"),
                             (axes[0][1], _mean_k, "mean k")):
@@ -280,7 +313,7 @@ def _roofline_figure(bench: dict):
             bottom.step(range(len(trace)), trace, where="post", color=color)
         else:
             bottom.text(0.5, 0.5, "no trace", ha="center", va="center", transform=bottom.transAxes)
-        budget = "-" if row.get("budget") is None else _pct(row["budget"])
+        budget = budget_of.label(row.get("budget"))
         top.set_title(f"{_label(row)} ({summary.get('name') or '?'})\nbudget {budget}, link {row.get('link') or '-'}, "
                       f"{'compiled' if row.get('compile') else 'eager'}", fontsize=9)
         top.set_xlabel("k (draft length)")
@@ -324,7 +357,24 @@ def plot_all(bench: dict, out_dir: Path, stem: str | None = None) -> list[Path]:
     return written
 
 
+def prepare_out_dir(path: Path) -> None:
+    """Create the folder ``path`` (and its parents) and check a file can be written in it."""
+    from specter.errors import SpecterError
+
+    try:
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder")
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise SpecterError(f"--out: cannot write to {path}: {error.strerror or error}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from specter.errors import SpecterError
+
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["plot"]:
         args = args[1:]
@@ -336,16 +386,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         bench = json.loads(ns.bench.read_text())
     except (OSError, ValueError) as exc:
-        print(f"specter.bench plot: cannot read {ns.bench}: {exc}", file=sys.stderr)
+        print(f"error: cannot read {ns.bench}: {exc}", file=sys.stderr)
         return 2
     if not isinstance(bench, dict) or bench.get("schema") != SCHEMA:
         found = bench.get("schema") if isinstance(bench, dict) else type(bench).__name__
-        print(f"specter.bench plot: {ns.bench} is not a {SCHEMA} document (found {found!r})", file=sys.stderr)
+        print(f"error: {ns.bench} is not a {SCHEMA} document (found {found!r})", file=sys.stderr)
         return 2
-    written = plot_all(bench, ns.out if ns.out is not None else ns.bench.parent, stem=ns.bench.stem)
+    out_dir = ns.out if ns.out is not None else ns.bench.parent
+    try:
+        prepare_out_dir(out_dir)
+    except SpecterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    written = plot_all(bench, out_dir, stem=ns.bench.stem)
     for path in written:
         print(path)
     if not written:
-        print(f"specter.bench plot: nothing to plot in {ns.bench}", file=sys.stderr)
+        print(f"error: nothing to plot in {ns.bench}", file=sys.stderr)
         return 1
     return 0

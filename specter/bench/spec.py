@@ -20,33 +20,51 @@ mapping) of the form::
 sweep builds a second, identical engine (``<label> (twin)``) that takes its turns beside the
 first: how far apart two copies of one engine land in a cell is the run's noise floor.
 
+``budgets`` takes every form of ``offload.expert_budget`` (a fraction, ``{per_layer: N}``,
+``{experts: N}``, a byte size like ``2MiB``), kept as written; two naming one budget (``2MiB``,
+``"2097152"``) are refused, as are a ``k`` or a governor given twice (each would run a cell or row
+twice, merged). ``title`` names the output files (``<title>.json``): 1-100 characters, no ``/``,
+``\\`` or control character, not only dots.
+
 A file without ``run``/``sweep`` is a plain run recipe: it is benched as one cell (its own
 budget, link, k and compile setting) with the default engines. ``overrides`` (``key=value``)
-apply to the run recipe; ``sweep_overrides`` (a mapping) replace sweep keys. Every mistake raises
-``RecipeError`` naming the key (``sweep.budgets[1]: ...``). ``fixed_k_overrides(k)``: the run
-recipe overrides of a ``specter`` row that always drafts k (the sweep's ``specter k=<k>`` rows;
-scripts that build one cell's engine take them too).
+apply to the run recipe; ``sweep_overrides`` (a mapping) replace sweep keys. When they replace
+``engines``, ``k`` or ``governors`` but not ``twins``, the recipe's twins of rows no longer in the
+sweep are dropped. Every mistake raises ``RecipeError`` naming the key (``sweep.budgets[1]: ...``,
+``run.max_new_tokens: ...``; a YAML syntax error as ``recipe: FILE:LINE:COL: ...``), before any
+engine is built: plugin names (a governor, a link kind) are checked against the registry, and
+an override of a key the sweep sets in every cell (``dropped``: ``engine``, ``compile``,
+``check_lossless``, ``offload.expert_budget``, ``offload.link`` and the keys of it a sweep link
+sets, ``speculation.governor``'s name, and its k and options where every specter row has a fixed
+k) is refused, naming the sweep option to use. ``fixed_k_overrides(k)``: the run recipe overrides
+of a ``specter`` row that always drafts k (the sweep's ``specter k=<k>`` rows; scripts that build
+one cell's engine take them too); ``budget_override(budget)``, ``link_overrides(link)``,
+``governor_override(name)``: the run recipe overrides of a cell's budget and link and of a
+``specter <governor>`` row.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import re
+from collections.abc import Set
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
-
-from specter.errors import RecipeError
-from specter.config.recipe import MAX_K
 from specter.config import Recipe, load_recipe
+from specter.config.loading import _read_yaml
+from specter.config.recipe import MAX_K
 from specter.config.schema import check_bounded
+from specter.errors import RecipeError, SpecterError, bounded_repr
 
 SAME_MEMORY = "ondemand@same-memory"
 BENCH_ENGINES = ("resident", "ondemand", "router-lookahead", "specter", "hf-offload", SAME_MEMORY)  # what a sweep knows how to run
 DEFAULT_ENGINES = ("resident", "ondemand", SAME_MEMORY, "specter")
 SWEEP_KEYS = ("engines", "budgets", "links", "k", "governors", "compile", "repeats", "warmup_tokens", "twins")
 TWIN_SUFFIX = " (twin)"
+TITLE = re.compile(r"[^/\\\x00-\x1f\x7f]{1,100}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +84,7 @@ class BenchSpec:
     def specter_variants(self) -> list[tuple[str, list[str], int | None, str]]:
         """(label, recipe overrides, k, governor) of every specter row."""
         variants = [(f"specter k={k}", fixed_k_overrides(k), k, "fixed") for k in self.k]
-        variants += [(f"specter {g}", [f"speculation.governor.name={g}"], None, g) for g in self.governors]
+        variants += [(f"specter {g}", [governor_override(g)], None, g) for g in self.governors]
         return variants
 
     def row_labels(self) -> list[str]:
@@ -77,7 +95,7 @@ class BenchSpec:
     def cell_recipe(self, engine: str, budget: Any, link: str | None, compile: bool, extra: Sequence[str] = ()) -> Recipe:
         overrides = [f"engine={engine}", f"compile={str(compile).lower()}", "check_lossless=false", *extra]
         if budget is not None:
-            overrides.append(f"offload.expert_budget={budget}")
+            overrides.append(budget_override(budget))
         if link is not None:
             overrides += link_overrides(self.links[link])
         return load_recipe(self.recipe, overrides)
@@ -94,12 +112,26 @@ def fixed_k_overrides(k: int) -> list[str]:
     return ["speculation.governor.name=fixed", f"speculation.governor.k={k}", "speculation.governor.options={}"]
 
 
+def governor_override(name: str) -> str:
+    return f"speculation.governor.name={json.dumps(name)}"
+
+
+def budget_override(budget: Any) -> str:
+    return f"offload.expert_budget={json.dumps(budget, default=str)}"
+
+
 def link_overrides(link: Mapping) -> list[str]:
-    return [f"offload.link.{key}={value}" for key, value in link.items()]
+    return [f"offload.link.{key}={json.dumps(value, default=str)}" for key, value in link.items()]
 
 
 def _error(key: str, text: str) -> RecipeError:
     return RecipeError(f"{key}: {text}")
+
+
+def _within(key: str, error: SpecterError) -> RecipeError:
+    """``error`` (``subkey: ...`` or ``recipe: ...``) as a mistake under ``key`` of the bench recipe."""
+    text = str(error)
+    return RecipeError(key + text[len("recipe"):] if text.startswith("recipe:") else f"{key}.{text}")
 
 
 def _list(raw: Mapping, key: str, default: Sequence) -> list:
@@ -109,40 +141,133 @@ def _list(raw: Mapping, key: str, default: Sequence) -> list:
     return list(value)
 
 
+def _once(key: str, written: Sequence, meant: Sequence) -> None:
+    """Refuse two values of ``sweep.<key>`` that mean one (``meant``): it would run twice, merged."""
+    for i, meaning in enumerate(meant):
+        first = list(meant).index(meaning)
+        if first < i:
+            raise _error(f"sweep.{key}[{i}]", f"{bounded_repr(written[i])} repeats sweep.{key}[{first}] "
+                                               f"({bounded_repr(written[first])}); give each once")
+
+
+def _title(value: object) -> str:
+    text = str(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+    if text is None or not TITLE.fullmatch(text) or not text.strip(" ."):
+        raise _error("title", f"{bounded_repr(value)} cannot name the output files (<title>.json, <title>.md); "
+                              "allowed: 1-100 characters, no / or \\ or control character, not only dots")
+    return text
+
+
+def _read(path: Path) -> Any:
+    raw = _read_yaml(path)
+    check_bounded(raw, "bench recipe")
+    return raw
+
+
+def _budgets(sweep: Mapping, base: Recipe) -> list:
+    budgets = _list(sweep, "budgets", [base.offload.expert_budget.to_recipe_value()])
+    meant = []
+    for i, budget in enumerate(budgets):
+        try:
+            meant.append(load_recipe(base, [budget_override(budget)]).offload.expert_budget)
+        except SpecterError as error:
+            raise _error(f"sweep.budgets[{i}]", str(error)) from None
+    _once("budgets", budgets, meant)
+    return budgets
+
+
+def _links(sweep: Mapping, base: Recipe) -> dict[str, dict]:
+    links = sweep.get("links", {base.offload.link.kind: base.offload.link.to_dict()})
+    if not isinstance(links, Mapping) or not links:
+        raise _error("sweep.links", "expected a mapping of link names to offload.link settings")
+    for name, link in links.items():
+        if not isinstance(link, Mapping):
+            raise _error(f"sweep.links.{name}", "expected a mapping like {kind: emulated, gbps: 1, latency_us: 20}")
+        try:
+            load_recipe(base, link_overrides(link))
+        except SpecterError as error:
+            raise _error(f"sweep.links.{name}", str(error)) from None
+    return {str(name): dict(link) for name, link in links.items()}
+
+
+def _specter_rows(sweep: Mapping, base: Recipe, engines: Sequence[str]) -> tuple[list[int], list[str]]:
+    ks = sweep.get("k", [base.speculation.governor.k])
+    if not isinstance(ks, (list, tuple)) or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K for k in ks):
+        raise _error("sweep.k", f"expected a list of integers in 1..{MAX_K}, got {ks!r:.60}")
+    _once("k", ks, ks)
+    governors = sweep.get("governors", [])
+    if not isinstance(governors, (list, tuple)) or not all(isinstance(g, str) for g in governors):
+        raise _error("sweep.governors", "expected a list of governor names")
+    _once("governors", governors, governors)
+    for i, governor in enumerate(governors):
+        try:  # a plugin of the registry, as the row will name it
+            load_recipe(base, [governor_override(governor)])
+        except SpecterError as error:
+            raise _error(f"sweep.governors[{i}]", str(error)) from None
+    if "specter" in engines and not ks and not governors:
+        raise _error("sweep.k", "the specter engine needs at least one k or governor")
+    return list(ks), list(governors)
+
+
+def dropped(key: str, replaced: Set[str], links: Mapping, fixed_only: bool) -> str | None:
+    """What to use instead of a ``--set`` of run-recipe ``key`` that every cell would replace (so
+    drop), None where some cell takes it. ``replaced``: the sweep keys that do not come from the run
+    recipe (all in a bench recipe; those given on the command line for a plain run recipe);
+    ``fixed_only``: every specter row drafts a fixed k (its own governor k and options)."""
+    def under(prefix: str) -> bool:
+        return key == prefix or key.startswith(prefix + ".")
+
+    if key == "engine":
+        return "choose engines with --engines (sweep.engines)"
+    if key == "check_lossless":
+        return "every row's tokens are compared with eager resident's instead (its lossless column)"
+    if key == "compile" and "compile" in replaced:
+        return "use --compile (sweep.compile)"
+    if under("offload.expert_budget") and "budgets" in replaced:
+        return "use --budgets (sweep.budgets)"
+    if under("offload.link") and "links" in replaced:
+        sub = key.split(".")[2:3]
+        if not sub or any(sub[0] in link for link in links.values()):  # else no link sets it: every cell takes it
+            return "use --links (sweep.links)"
+    if key in ("speculation.governor", "speculation.governor.name") and "governors" in replaced:
+        return "use --governors (sweep.governors) or --k (sweep.k)"
+    if under("speculation.governor") and fixed_only and {"k", "governors"} & replaced:
+        return "every specter row of this sweep drafts a fixed k: use --k (sweep.k), or add a row with --governors"
+    return None
+
+
 def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), sweep_overrides: Mapping | None = None) -> BenchSpec:
+    sweep_overrides = dict(sweep_overrides or {})
     if isinstance(source, Mapping):
         raw, source_dir, title = copy.deepcopy(dict(source)), None, "bench"
     else:
         path = Path(source)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-            check_bounded(raw, "bench recipe")
-        except OSError as error:
-            raise _error("recipe", f"cannot read {path}: {error.strerror}") from None
-        except yaml.YAMLError as error:
-            raise _error("recipe", f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
-        source_dir, title = path.resolve().parent, path.stem
+        raw, source_dir, title = _read(path) or {}, path.resolve().parent, path.stem
     if not isinstance(raw, Mapping):
         raise _error("recipe", "the top level must be a mapping")
-    if "sweep" in raw or "run" in raw:
+    single_cell = "sweep" not in raw and "run" not in raw
+    if single_cell:
+        run_raw, sweep_raw = raw, {}
+    else:
         unknown = set(raw) - {"title", "run", "sweep"}
         if unknown:
             raise _error(sorted(unknown)[0], "unknown key; allowed keys of a bench recipe: title, run, sweep")
-        run_raw, sweep_raw = raw.get("run") or {}, dict(raw.get("sweep") or {})
-        title = str(raw.get("title", title))
-        single_cell = False
-    else:
-        run_raw, sweep_raw, single_cell = raw, {}, True
+        run_raw, sweep_raw, title = raw.get("run") or {}, raw.get("sweep") or {}, _title(raw.get("title", title))
+        if not isinstance(sweep_raw, Mapping):
+            raise _error("sweep", f"expected a mapping of sweep keys ({', '.join(SWEEP_KEYS)})")
     if not isinstance(run_raw, Mapping):
         raise _error("run", "expected a mapping of run-recipe keys")
-    base = load_recipe(run_raw, overrides, source_dir=source_dir)
+    try:
+        base = load_recipe(run_raw, overrides, source_dir=source_dir)
+    except SpecterError as error:
+        raise (error if single_cell else _within("run", error)) from None
     if single_cell:
         sweep_raw = {"budgets": [base.offload.expert_budget.to_recipe_value()],
                      "links": {base.offload.link.kind: base.offload.link.to_dict()},
                      "k": [base.speculation.governor.k], "compile": [base.compile]}
         if base.speculation.governor.name != "fixed":
             sweep_raw.update(k=[], governors=[base.speculation.governor.name])
-    sweep_raw.update(sweep_overrides or {})
+    sweep_raw = {**sweep_raw, **sweep_overrides}
     unknown = set(sweep_raw) - set(SWEEP_KEYS)
     if unknown:
         raise _error(f"sweep.{sorted(unknown)[0]}", f"unknown key; allowed keys: {', '.join(SWEEP_KEYS)}")
@@ -152,30 +277,8 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
             raise _error(f"sweep.engines[{i}]", f"unknown engine {name!r}; allowed: {', '.join(BENCH_ENGINES)}")
     if SAME_MEMORY in engines and "specter" not in engines:
         raise _error("sweep.engines", f"{SAME_MEMORY} is sized from the specter engine's cache and draft: add specter")
-    budgets = _list(sweep_raw, "budgets", [base.offload.expert_budget.to_recipe_value()])
-    for i, budget in enumerate(budgets):
-        try:
-            load_recipe(base, [f"offload.expert_budget={budget}"])
-        except RecipeError as error:
-            raise _error(f"sweep.budgets[{i}]", str(error)) from None
-    links = sweep_raw.get("links", {base.offload.link.kind: base.offload.link.to_dict()})
-    if not isinstance(links, Mapping) or not links:
-        raise _error("sweep.links", "expected a mapping of link names to offload.link settings")
-    for name, link in links.items():
-        if not isinstance(link, Mapping):
-            raise _error(f"sweep.links.{name}", "expected a mapping like {kind: emulated, gbps: 1, latency_us: 20}")
-        try:
-            load_recipe(base, link_overrides(link))
-        except RecipeError as error:
-            raise _error(f"sweep.links.{name}", str(error)) from None
-    ks = sweep_raw.get("k", [base.speculation.governor.k])
-    if not isinstance(ks, (list, tuple)) or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K for k in ks):
-        raise _error("sweep.k", f"expected a list of integers in 1..{MAX_K}, got {ks!r:.60}")
-    governors = sweep_raw.get("governors", [])
-    if not isinstance(governors, (list, tuple)) or not all(isinstance(g, str) for g in governors):
-        raise _error("sweep.governors", "expected a list of governor names")
-    if "specter" in engines and not ks and not governors:
-        raise _error("sweep.k", "the specter engine needs at least one k or governor")
+    budgets, links = _budgets(sweep_raw, base), _links(sweep_raw, base)
+    ks, governors = _specter_rows(sweep_raw, base, engines)
     compile_modes = _list(sweep_raw, "compile", [base.compile])
     if not all(isinstance(c, bool) for c in compile_modes):
         raise _error("sweep.compile", f"expected a list of booleans, got {compile_modes!r:.60}")
@@ -183,12 +286,20 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
     for key, value, low in (("repeats", repeats, 1), ("warmup_tokens", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise _error(f"sweep.{key}", f"expected an integer >= {low}, got {value!r:.60}")
-    spec = BenchSpec(title=title, recipe=base, engines=tuple(engines), budgets=tuple(budgets),
-                     links={str(n): dict(v) for n, v in links.items()}, k=tuple(ks), governors=tuple(governors),
-                     compile=tuple(dict.fromkeys(compile_modes)), repeats=repeats, warmup_tokens=warmup)
+    replaced = set(sweep_overrides) if single_cell else set(SWEEP_KEYS)
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        instead = dropped(key, replaced, links, fixed_only="specter" in engines and not governors)
+        if instead is not None:
+            raise _error(f"--set {key}", f"the bench sets it in every cell, so this value would be dropped; {instead}")
+    spec = BenchSpec(title=title, recipe=base, engines=tuple(engines), budgets=tuple(budgets), links=links,
+                     k=tuple(ks), governors=tuple(governors), compile=tuple(dict.fromkeys(compile_modes)),
+                     repeats=repeats, warmup_tokens=warmup)
     twins = sweep_raw.get("twins", [])
     if not isinstance(twins, (list, tuple)) or not all(isinstance(t, str) for t in twins):
         raise _error("sweep.twins", "expected a list of row labels, like [specter k=4]")
+    if "twins" not in sweep_overrides and {"engines", "k", "governors"} & set(sweep_overrides):
+        twins = [label for label in twins if label in spec.row_labels()]  # rows the command line left out
     for i, label in enumerate(twins):
         if label not in spec.row_labels():
             allowed = ", ".join(spec.row_labels()) or "none (no offloaded engine)"

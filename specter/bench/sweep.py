@@ -20,7 +20,13 @@ docs/benchmarks.md and read by ``specter.bench.tables`` and ``specter.bench.plot
   same minutes), whether its greedy tokens equal the eager
   ``resident`` engine's, its median's ratio to each baseline's median in the same cell, and how
   fast one thread read its cache slots (or its large weights) after the cell's runs
-  (``memory_read_gibps``, ``specter.bench.memory_rate``).
+  (``memory_read_gibps``, ``specter.bench.memory_rate``). Its ``budget`` (and the document's
+  ``budgets``) is written as in ``sweep.budgets``: a fraction, ``{per_layer: N}``,
+  ``{experts: N}`` or a byte size string (``specter.bench.budgets`` labels them); null for a row
+  built once for every cell (``resident``).
+- Progress on stderr: a line per engine built, one per (budget, link) before its engines warm up
+  (``[budget 25%, slow link, eager and compiled] warming up 12 engines (48 tokens each) ...``),
+  one per timed run.
 - The document's ``page_placement``: what settling the engines' large buffers did over the run
   (``specter.memory.page_placement.stats``: pieces probed, slow, swapped, bytes held apart).
 - Labels: ``specter k=K`` (fixed k), ``specter <governor>``; ``ondemand`` has the cache of the
@@ -41,6 +47,7 @@ from typing import Any, Iterator
 
 import torch
 
+from specter.bench import budgets as budget_of
 from specter.bench.memory_rate import engine_read_rate
 from specter.bench.spec import SAME_MEMORY, TWIN_SUFFIX, BenchSpec
 from specter.memory import page_placement
@@ -90,12 +97,13 @@ class Sweep:
     def __init__(self, spec: BenchSpec, progress: bool | None = None) -> None:
         self.spec = spec
         self.prompts = spec.recipe.resolved_prompts()
-        self.runs: dict[tuple, list[dict]] = {}  # (label, budget, link, compile) -> reports
+        self.written = {budget_of.key(b): b for b in spec.budgets}  # budgets.key -> the budget as written
+        self.runs: dict[tuple, list[dict]] = {}  # (label, budget key, link, compile) -> reports
         self.tokens: dict[tuple, list[list[int]]] = {}
-        self.cells: dict[tuple, dict[str, list[float]]] = {}  # (budget, link, compile) -> label -> tok/s runs
+        self.cells: dict[tuple, dict[str, list[float]]] = {}  # (budget key, link, compile) -> label -> tok/s runs
         self.meta: dict[str, dict] = {}  # label -> {engine, k, governor, note}
-        self.read_rates: dict[tuple, float | None] = {}  # (label, budget, link, compile) -> GiB/s (memory_rate)
-        self.cell_steps: dict[tuple, list[float]] = {}  # (budget, link, compile) -> resident's decode_step_s runs
+        self.read_rates: dict[tuple, float | None] = {}  # (label, budget key, link, compile) -> GiB/s (memory_rate)
+        self.cell_steps: dict[tuple, list[float]] = {}  # (budget key, link, compile) -> resident's decode_step_s runs
         self.reference: list[list[int]] | None = None
         self.progress = Progress(self._count_runs(), spec.title, progress)
 
@@ -112,7 +120,7 @@ class Sweep:
         from specter.build import build_engine
 
         mode = "compiled" if compile else "eager"
-        where = "" if budget is None else f" budget {budget}"
+        where = "" if budget is None else f" budget {budget_of.label(budget)}"
         self.progress.log(f"building {label} ({mode}{where}) ...")
         started = time.perf_counter()
         built = build_engine(self.spec.cell_recipe(engine, budget, link, compile, extra))
@@ -156,25 +164,31 @@ class Sweep:
     def _run_cell(self, engines: dict[tuple[str, bool], Any], budget, link: str | None,
                   scopes: dict[tuple[str, bool], tuple]) -> None:
         """Every engine of the (budget, link) cells of every compile mode, keyed by (label,
-        compiled), warmed up, then taking turns prompt by prompt for ``repeats`` repeats."""
+        compiled), warmed up (after a progress line saying so), then taking turns prompt by prompt
+        for ``repeats`` repeats."""
+        bkey, tokens = budget_of.key(budget), self.spec.warmup_tokens or 1
+        modes = " and ".join(dict.fromkeys("compiled" if compile else "eager" for _, compile in engines))
+        self.progress.log(f"[{_cell_name(budget, link, modes)}] warming up {len(engines)} engine"
+                          f"{'' if len(engines) == 1 else 's'} ({tokens} token{'' if tokens == 1 else 's'} each) ...")
         for engine in engines.values():
-            engine.generate(self.prompts[:1], max_new_tokens=self.spec.warmup_tokens or 1)
+            engine.generate(self.prompts[:1], max_new_tokens=tokens)
         for repeat in range(self.spec.repeats):
             order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
             for (label, compile), result in take_turns(engines, order, self.prompts):
                 rate = result.report["decode_tokens_per_s"]
-                key = scopes.get((label, compile), (label, budget, link, compile))
+                key = scopes.get((label, compile), (label, bkey, link, compile))
                 self.runs.setdefault(key, []).append(result.report)
                 self.tokens[key] = result.token_ids
-                self.cells.setdefault((budget, link, compile), {}).setdefault(label, []).append(rate)
+                self.cells.setdefault((bkey, link, compile), {}).setdefault(label, []).append(rate)
                 if label == "resident" and not compile and self.reference is None:
                     self.reference = result.token_ids
                 if label == "resident" and result.report.get("decode_step_s") is not None:
-                    self.cell_steps.setdefault((budget, link, compile), []).append(result.report["decode_step_s"])
+                    self.cell_steps.setdefault((bkey, link, compile), []).append(result.report["decode_step_s"])
                 self.progress.step()
-                self.progress.log(f"[{_cell_name(budget, link, compile)} #{repeat + 1}] {label}: {rate:.2f} tok/s")
+                mode = "compiled" if compile else "eager"
+                self.progress.log(f"[{_cell_name(budget, link, mode)} #{repeat + 1}] {label}: {rate:.2f} tok/s")
         for (label, compile), engine in engines.items():  # after the timed runs: where each one's memory landed
-            key = scopes.get((label, compile), (label, budget, link, compile))
+            key = scopes.get((label, compile), (label, bkey, link, compile))
             if key not in self.read_rates:  # an engine scoped over cells (resident) is read once
                 self.read_rates[key] = engine_read_rate(engine)
 
@@ -206,7 +220,7 @@ class Sweep:
                         scopes[("resident", compile)] = ("resident", None, None, compile)
                 if hf is not None and index == 0:
                     cell[("hf-offload", False)] = hf
-                    scopes[("hf-offload", False)] = ("hf-offload", budget, None, False)
+                    scopes[("hf-offload", False)] = ("hf-offload", budget_of.key(budget), None, False)
                 self._run_cell(cell, budget, link, scopes)
             for engine in [e for group in groups.values() for e in group.values()] + ([hf] if hf is not None else []):
                 engine.close()
@@ -225,23 +239,23 @@ class Sweep:
                       for key, reports in self.runs.items() if key[0] == "hf-offload"}
         out = []
         for key, reports in self.runs.items():
-            label, budget, link, compile = key
+            label, bkey, link, compile = key
             rates = [r["decode_tokens_per_s"] for r in reports]
             last = reports[-1]
             median = statistics.median(rates)
             ratios = {}
             if link is not None:
-                cell = {name: statistics.median(v) for name, v in self.cells[(budget, link, compile)].items()}
-                if budget in hf_medians:
-                    cell.setdefault("hf-offload", hf_medians[budget])
+                cell = {name: statistics.median(v) for name, v in self.cells[(bkey, link, compile)].items()}
+                if bkey in hf_medians:
+                    cell.setdefault("hf-offload", hf_medians[bkey])
                 ratios = {base: median / cell[base] for base in BASELINES if base in cell and base != label}
             meta = self.meta.get(label, {"engine": label})
             greedy = self.spec.recipe.sampling.temperature == 0
             steps = [r["decode_step_s"] for r in reports if r.get("decode_step_s") is not None]
-            single = self.cell_steps.get((budget, link, compile)) if link is not None else None
+            single = self.cell_steps.get((bkey, link, compile)) if link is not None else None
             out.append({
                 "engine": meta["engine"], "label": label, "k": meta.get("k"), "governor": meta.get("governor"),
-                "budget": budget, "link": link, "compile": compile,
+                "budget": self.written.get(bkey), "link": link, "compile": compile,
                 "decode_tokens_per_s": {"median": median, "min": min(rates), "max": max(rates), "runs": rates},
                 "hit_rate": last.get("hit_rate"), "io_wait_share": last.get("io_wait_share"),
                 "copies_per_token": last.get("copies_per_token"), "acceptance_rate": last.get("acceptance_rate"),
@@ -305,8 +319,8 @@ def take_turns(engines: dict[str, Any], order: list[str], prompts: list) -> Iter
                 yield label, finished.value
 
 
-def _cell_name(budget, link, compile) -> str:
-    return f"budget {budget}, {link} link, {'compiled' if compile else 'eager'}"
+def _cell_name(budget, link: str, mode: str) -> str:
+    return f"budget {budget_of.label(budget)}, {link} link, {mode}"
 
 
 def _hf_note(engine) -> str:
@@ -330,7 +344,10 @@ def run_bench(spec: BenchSpec, command: str = "", progress: bool | None = None) 
     torch.set_num_threads(spec.recipe.threads)
     started = time.perf_counter()
     sweep = Sweep(spec, progress)
-    sweep.run()
+    try:
+        sweep.run()
+    finally:  # an interrupted run leaves no bar drawn over the shell's prompt
+        sweep.progress.close()
     return sweep.document(command, time.perf_counter() - started)
 
 

@@ -4,7 +4,9 @@ Contract: ``markdown(bench)`` returns GitHub-flavoured markdown, with no I/O: a 
 (title, model, machine, threads, prompts x new tokens, repeats, wall time and peak memory, the
 slow 8 MiB pieces of memory found and swapped where any buffer was settled, command), one line
 per link (an emulated link is marked EMULATED), then one table per (budget, link) cell, budgets
-in the order of ``bench["budgets"]`` and links in the order of ``bench["links"]``, and a last
+in the order of ``bench["budgets"]`` and links in the order of ``bench["links"]`` (a budget, here
+and in every table, as ``specter.bench.budgets.label`` writes it: ``25%``, ``8 per layer``,
+``40 experts``, ``2 MiB``; a fraction's heading says ``25% of experts``), and a last
 table for the budget-independent rows (those whose budget or link is null: resident, hf-offload).
 Each JSON row is exactly one table row, in JSON order within its table. Any metric may be null or
 absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. A row's ``note`` is
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from specter.bench import budgets as budget_of
 from specter.bench import markdown_format as fmt
 from specter.bench.pairs import compile_section, twin_section
 
@@ -72,7 +75,7 @@ def _label(row: dict, independent: bool) -> str:
     label = row.get("label") or row.get("engine") or "?"
     if not independent:
         return label
-    where = [f"budget {fmt.pct(row['budget'])}"] if row.get("budget") is not None else []
+    where = [f"budget {budget_of.label(row['budget'])}"] if row.get("budget") is not None else []
     where += [f"link {row['link']}"] if row.get("link") is not None else []
     return f"{label} ({', '.join(where)})" if where else label
 
@@ -155,8 +158,12 @@ def header(bench: dict) -> list[str]:
 
 
 def _order(declared: Iterable, seen: Iterable) -> list:
-    order = list(declared)
-    return order + [value for value in dict.fromkeys(seen) if value not in order]
+    """``declared``, then the values of ``seen`` not in it, each once (values may be unhashable)."""
+    order: list = []
+    for value in [*declared, *seen]:
+        if value not in order:
+            order.append(value)
+    return order
 
 
 PHASE_COLUMNS = (
@@ -193,7 +200,7 @@ def phase_table(bench: dict) -> list[str]:
         total = sum(phases.get(key) or 0.0 for key in ("draft_s", "flush_s", "verify_s", "host_s"))
         out.append((
             row.get("label") or row.get("engine") or "?",
-            "-" if row.get("budget") is None else fmt.pct(row["budget"]), row.get("link") or "-",
+            budget_of.label(row.get("budget")), row.get("link") or "-",
             "compiled" if row.get("compile") else "eager",
             "-" if phases.get("rounds") is None else phases["rounds"],
             fmt.num(fmt.mul(phases.get("draft_step_s"), 1e3), 2),
@@ -232,7 +239,7 @@ def governor_section(bench: dict) -> list[str]:
                     "-" if error is None else f"{error:.1%}" + ("" if total is None else f" ({total:.1%} total)"),
                     "-" if summary.get("probes") is None else summary["probes"],
                     "-" if summary.get("cut_rounds") is None else summary["cut_rounds"]))
-        key = (row.get("budget"), row.get("link"), bool(row.get("compile")))
+        key = (budget_of.key(row.get("budget")), row.get("link"), bool(row.get("compile")))
         if summary.get("table") and key not in tables:
             tables[key] = row
     lines = fmt.rows_table(GOVERNOR_COLUMNS, out)
@@ -277,7 +284,8 @@ def markdown(bench: dict) -> str:
             cell = [r for r in cell_rows if r["budget"] == budget and r["link"] == link]
             if cell:
                 emulated = ((bench.get("links") or {}).get(link) or {}).get("emulated")
-                lines += ["", f"### budget {fmt.pct(budget)} of experts, link `{link}`"
+                of_experts = " of experts" if isinstance(budget, (int, float)) else ""
+                lines += ["", f"### budget {budget_of.label(budget)}{of_experts}, link `{link}`"
                           + (" (EMULATED)" if emulated else ""), ""] + table(cell)
     if independent:
         lines += ["", "### budget-independent", ""] + table(independent, independent=True)

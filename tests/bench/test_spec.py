@@ -82,7 +82,7 @@ def test_mistakes_name_the_key(sweep, key):
 def test_unknown_top_level_key_and_bad_run_recipe_are_refused():
     with pytest.raises(RecipeError, match="^extra: unknown key"):
         load_bench({"run": {}, "extra": 1})
-    with pytest.raises(RecipeError, match="^max_new_tokens"):
+    with pytest.raises(RecipeError, match=r"^run\.max_new_tokens: invalid value -1"):
         load_bench({"run": {"max_new_tokens": -1}})
 
 
@@ -93,3 +93,40 @@ def test_twins_name_rows_of_the_sweep():
     assert spec.row_labels() == ["specter k=2", "specter k=4", "specter roofline", "ondemand"]
     assert spec.as_dict()["sweep"]["twins"] == list(spec.twins)
     assert load_bench(bench()).twins == ()
+
+
+def test_run_section_mistakes_are_named_under_run():
+    with pytest.raises(RecipeError, match=r"^run\.max_new_token: unknown key; did you mean max_new_tokens\?"):
+        load_bench({"run": {"max_new_token": 4}})
+    with pytest.raises(RecipeError, match=r"^run\.offload\.cache_policy\.name: unknown cache_policy 'lru2'"):
+        load_bench({"run": {"offload": {"cache_policy": {"name": "lru2"}}}})
+    with pytest.raises(RecipeError, match="^max_new_token: unknown key"):  # a plain run recipe has no run section
+        load_bench({"max_new_token": 4})
+
+
+def test_a_yaml_syntax_error_gives_file_line_and_column(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("title: t\nrun:\n  model: [unclosed\n  seed: 0\n")
+    with pytest.raises(RecipeError, match=r"^recipe: .*broken\.yaml:4:7: invalid YAML: "):
+        load_bench(path)
+
+
+@pytest.mark.parametrize("sweep, message", [
+    ({"links": {"l": {"kind": "pcie"}}}, r"^sweep\.links\.l: offload\.link\.kind: unknown link 'pcie'"),
+    ({"governors": ["rooflin"]}, r"^sweep\.governors\[0\]: .*unknown governor 'rooflin'; did you mean roofline\?"),
+    ({"governors": ["roofline", "roofline"]}, r"^sweep\.governors\[1\]: 'roofline' repeats sweep\.governors\[0\]"),
+    ({"budgets": [0.5, 0.5]}, r"^sweep\.budgets\[1\]: 0\.5 repeats sweep\.budgets\[0\]"),
+    ({"budgets": [{"per_layer": 8}, {"per_layer": 8}]}, r"^sweep\.budgets\[1\]: "),
+    ({"budgets": ["2MiB", "2097152"]}, r"^sweep\.budgets\[1\]: '2097152' repeats sweep\.budgets\[0\] \('2MiB'\)"),
+    ({"k": [2, 2]}, r"^sweep\.k\[1\]: 2 repeats"),
+])
+def test_plugin_names_and_repeated_values_are_refused_as_the_recipe_loads(sweep, message):
+    with pytest.raises(RecipeError, match=message):
+        load_bench(bench(**sweep))
+
+
+def test_a_title_must_name_a_file():
+    with pytest.raises(RecipeError, match="^title: 'a/b' cannot name the output files"):
+        load_bench({"title": "a/b", "run": {}})
+    assert load_bench({"title": "bench proxy v2", "run": {}}).title == "bench proxy v2"
+    assert load_bench({"title": 2024, "run": {}}).title == "2024"

@@ -4,6 +4,7 @@ the same cell, lossless against eager resident, files written by the CLI."""
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -199,3 +200,19 @@ def test_eager_and_compiled_engines_of_a_cell_take_turns_prompt_by_prompt(monkey
     assert sweep.cells[(0.5, "fast", True)] == {"ondemand": [2.0], "resident": [2.0]}
     assert set(sweep.runs) == {("ondemand", 0.5, "fast", False), ("ondemand", 0.5, "fast", True),
                                ("resident", None, None, False), ("resident", None, None, True)}
+
+
+def test_a_cell_says_it_is_warming_up_before_its_engines_warm_up(monkeypatch, capsys):
+    spec = load_bench({"title": "t", "run": {"model": "bundled:tiny-moe", "prompts": ["a"]}, "sweep": {
+        "engines": ["resident", "ondemand"], "budgets": [0.25], "links": {"slow": {"kind": "local"}},
+        "compile": [False, True], "repeats": 1, "warmup_tokens": 48}})
+    sweep = Sweep(spec, progress=False)
+    monkeypatch.setattr(sweep, "_build", lambda label, engine, budget, link, compile, extra=(): StandIn(
+        label, engine, compile, []))
+    monkeypatch.setattr(StandIn, "generate", lambda self, prompts, max_new_tokens=None: print(
+        f"warm-up {max_new_tokens}", file=sys.stderr))
+    sweep.run()
+    lines = capsys.readouterr().err.splitlines()
+    start = lines.index("[budget 25%, slow link, eager and compiled] warming up 4 engines (48 tokens each) ...")
+    assert lines[start + 1:start + 5] == ["warm-up 48"] * 4
+    assert lines[start + 5].startswith("[budget 25%, slow link, eager #1] ")
