@@ -2,16 +2,16 @@
 ``offload.expert_budget`` takes (``specter.config.budget``): a fraction of all experts,
 ``{per_layer: N}``, ``{experts: N}`` or a byte size such as ``"2MiB"``.
 
-Contract: ``parse(value) -> ExpertBudget | None``: the budget a value names (two values naming one
-budget, ``"2MiB"`` and ``"2097152"``, are one budget), None where it names none. ``key(value)``:
-a hashable stand-in for the value, for dict keys and sets (a fraction and a byte string are
-their own key, None stays None). ``label(value)``: what tables, plots and progress lines print:
-``25%`` (any number, as a percentage), ``8 per layer``, ``40 experts``, ``2 MiB`` (a byte size in
-the largest unit that writes it with at most two decimals, else ``1,234,567 B``: ``byte_size(n)``), ``-`` for None,
-the value itself where it names no budget. ``share(value, model)``: the share of all experts the budget gives a model (a
-bench document's ``model``: ``n_moe_layers``, ``n_experts``, ``expert_bytes``), any number's own
-value even without a model; None where the model's sizes are missing or the value names no
-budget.
+Contract: ``parse(value) -> ExpertBudget | None``: the budget a value names (``"2MiB"`` and
+``"2097152"`` name one budget: ``spec`` refuses such a pair), None where it names none.
+``key(value)``: a hashable stand-in for the value as written, for dict keys and sets (a fraction
+and a byte string are their own key, None stays None). ``label(value)``: what tables, plots and
+progress lines print: ``25%`` (any number, as a percentage), ``8 per layer``, ``40 experts``,
+``2 MiB`` (a byte size in the largest unit that writes it with at most two decimals, else
+``1,234,567 B``: ``byte_size(n)``), ``-`` for None, the value itself where it names no budget.
+``share(value, model)``: the share of all experts the budget gives a model (a bench document's
+``model``: ``n_moe_layers``, ``n_experts``, ``expert_bytes``), any number's own value even
+without a model; None where the model's sizes are missing or the value names no budget.
 """
 
 from __future__ import annotations
