@@ -1,0 +1,64 @@
+"""Recipe settings the chosen built-in engine never reads, so the CLI can say so instead of
+running as if they mattered.
+
+Contract: ``given_keys(path, overrides) -> set[str]``: the dotted keys a recipe file and its
+``key=value`` overrides set explicitly (mappings walked down to their leaves; an ``options``
+mapping counts as one key). ``unused_settings(recipe, given) -> list[tuple[str, str]]``: the
+given keys that ``recipe.engine`` does not read, each with the reason (``("offload.expert_budget",
+"engine resident keeps every expert on the device and does not speculate")``), sorted; empty for
+an engine that is not built in (a plugin may read any key). Keys a built-in engine ignores: every ``offload`` and ``speculation``
+key for ``resident``; ``speculation`` for ``ondemand``, ``router-lookahead`` and ``hf-offload``;
+for ``hf-offload`` also the link, cache policy, prefetch, host tier, pinning, timeout and copy
+checks (accelerate places and moves its weights); ``offload.link.gbps`` / ``latency_us`` where
+the link is not emulated (``auto`` on a CPU is).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+HF_OFFLOAD_READS = ("offload.expert_budget", "offload.experts_on", "offload.direct_io")
+PACED_ONLY = ("offload.link.gbps", "offload.link.latency_us")
+
+
+def _leaves(raw: Mapping, prefix: str = "") -> Iterable[str]:
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value and key != "options":
+            yield from _leaves(value, dotted + ".")
+        else:
+            yield dotted
+
+
+def given_keys(path: str | Path | None, overrides: Iterable[str] = ()) -> set[str]:
+    from specter.config.loading import _read_yaml
+
+    raw: Any = _read_yaml(Path(path)) if path is not None else None
+    keys = set(_leaves(raw)) if isinstance(raw, Mapping) else set()
+    for item in overrides:
+        keys.add(item.partition("=")[0].strip())
+    return keys
+
+
+def _under(key: str, prefixes: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def unused_settings(recipe, given: Iterable[str]) -> list[tuple[str, str]]:
+    engine = recipe.engine
+    unused: list[tuple[str, str]] = []
+    for key in sorted(given):
+        reason = None
+        if engine == "resident" and _under(key, ("offload", "speculation")):
+            reason = "engine resident keeps every expert on the device and does not speculate"
+        elif engine in ("ondemand", "router-lookahead", "hf-offload") and _under(key, ("speculation",)):
+            reason = f"engine {engine} does not speculate"
+        elif engine == "hf-offload" and _under(key, ("offload",)) and not _under(key, HF_OFFLOAD_READS):
+            reason = "engine hf-offload leaves placing and moving weights to accelerate"
+        elif key in PACED_ONLY and engine in ("ondemand", "router-lookahead", "specter") \
+                and recipe.offload.link.kind in ("local", "cuda", "disk"):
+            reason = f"only the emulated link is paced; this one is {recipe.offload.link.kind}"
+        if reason is not None:
+            unused.append((key, reason))
+    return unused
