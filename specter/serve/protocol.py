@@ -173,12 +173,12 @@ class ChatRequest(_Common):
         if self.max_completion_tokens is not None:
             if self.max_completion_tokens < 1:
                 raise _field_error("max_completion_tokens", f"must be an integer >= 1, got {self.max_completion_tokens}")
-            if self.max_tokens is None:
-                self.max_tokens = self.max_completion_tokens
+            self.max_tokens = self.max_completion_tokens  # OpenAI's current name wins over max_tokens
         if self.logprobs or self.top_logprobs:
-            raise _field_error("logprobs", "is not supported by Specter")
+            raise _field_error("logprobs" if self.logprobs else "top_logprobs", "is not supported by Specter")
         if self.tools or self.functions or self.tool_choice not in (None, "none", "auto"):
-            raise _field_error("tools", "tool calling is not supported by Specter")
+            field = "tools" if self.tools else "functions" if self.functions else "tool_choice"
+            raise _field_error(field, "tool calling is not supported by Specter")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise _field_error("response_format", "only {\"type\": \"text\"} is supported")
         return self

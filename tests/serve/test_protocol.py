@@ -68,6 +68,11 @@ def test_chat_messages_are_checked_and_flattened():
     assert refused(ChatRequest, {"messages": []}).param == "messages"
     assert refused(ChatRequest, {"messages": [{"role": "robot", "content": "x"}]}).param == "messages.0.role"
     assert refused(ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}).param == "tools"
+    user = [{"role": "user", "content": "x"}]
+    for field, value in (("functions", [{}]), ("tool_choice", "required"), ("top_logprobs", 3), ("logprobs", True)):
+        assert refused(ChatRequest, {"messages": user, field: value}).param == field  # the field sent
+    both = parse(json.dumps({"messages": user, "max_tokens": 4, "max_completion_tokens": 2}).encode(), ChatRequest)
+    assert both.max_tokens == 2  # OpenAI's current name wins
     image = parse(json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
                   ChatRequest)
     with pytest.raises(ApiError, match="only text parts"):
