@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         from specter.config import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)  # validate before the heavy imports
-        from specter.config.unused import given_keys, unused_settings
+        from specter.config.unused import override_keys, unused_settings
 
-        for key, reason in unused_settings(recipe, given_keys(args.recipe, args.overrides)):
+        for key, reason in unused_settings(recipe, override_keys(args.overrides)):
             print(f"warning: {key} has no effect: {reason}", file=sys.stderr)
         from specter.api import run_recipe
         from specter.report.schema import format_summary

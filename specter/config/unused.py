@@ -1,43 +1,51 @@
 """Recipe settings the chosen built-in engine never reads, so the CLI can say so instead of
 running as if they mattered.
 
-Contract: ``given_keys(path, overrides) -> set[str]``: the dotted keys a recipe file and its
-``key=value`` overrides set explicitly (mappings walked down to their leaves; an ``options``
-mapping counts as one key). ``unused_settings(recipe, given) -> list[tuple[str, str]]``: the
-given keys that ``recipe.engine`` does not read, each with the reason (``("offload.expert_budget",
-"engine resident keeps every expert on the device and does not speculate")``), sorted; empty for
-an engine that is not built in (a plugin may read any key). Keys a built-in engine ignores: every ``offload`` and ``speculation``
-key for ``resident``; ``speculation`` for ``ondemand``, ``router-lookahead`` and ``hf-offload``;
-for ``hf-offload`` also the link, cache policy, prefetch, host tier, pinning, timeout and copy
-checks (accelerate places and moves its weights); ``offload.link.gbps`` / ``latency_us`` where
-the link is not emulated (``auto`` on a CPU is).
+Contract: ``override_keys(overrides) -> set[str]``: the dotted keys ``key=value`` overrides set,
+and, for an override whose value is a mapping, its leaves (``offload.link={kind: local, gbps: 1}``
+gives ``offload.link.kind`` and ``offload.link.gbps``; an ``options`` mapping counts as one key).
+Only overrides count: a recipe file often carries settings for several engines and is switched
+between them by its ``engine`` key. ``unused_settings(recipe, given) -> list[tuple[str, str]]``:
+the given keys that ``recipe.engine`` does not read, each with the reason
+(``("offload.expert_budget", "engine resident keeps every expert on the device and does not
+speculate")``), sorted; empty for an engine that is not built in (a plugin may read any key).
+Keys a built-in engine ignores: every ``offload`` and ``speculation`` key for ``resident``;
+``speculation`` for ``ondemand``, ``router-lookahead`` and ``hf-offload``; for ``hf-offload``
+also the link, cache policy, prefetch, host tier, pinning, timeout and copy checks (accelerate
+places and moves its weights); ``offload.link.gbps`` / ``latency_us`` where the link is not
+emulated (``auto`` on a CPU is).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
+
+import yaml
 
 HF_OFFLOAD_READS = ("offload.expert_budget", "offload.experts_on", "offload.direct_io")
 PACED_ONLY = ("offload.link.gbps", "offload.link.latency_us")
 
 
-def _leaves(raw: Mapping, prefix: str = "") -> Iterable[str]:
+def _leaves(raw: Mapping, prefix: str) -> Iterable[str]:
     for key, value in raw.items():
-        dotted = f"{prefix}{key}"
+        dotted = f"{prefix}.{key}"
         if isinstance(value, Mapping) and value and key != "options":
-            yield from _leaves(value, dotted + ".")
+            yield from _leaves(value, dotted)
         else:
             yield dotted
 
 
-def given_keys(path: str | Path | None, overrides: Iterable[str] = ()) -> set[str]:
-    from specter.config.loading import _read_yaml
-
-    raw: Any = _read_yaml(Path(path)) if path is not None else None
-    keys = set(_leaves(raw)) if isinstance(raw, Mapping) else set()
+def override_keys(overrides: Iterable[str]) -> set[str]:
+    keys: set[str] = set()
     for item in overrides:
-        keys.add(item.partition("=")[0].strip())
+        key, _, text = item.partition("=")
+        key = key.strip()
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = None
+        is_section = isinstance(value, Mapping) and value and key.rsplit(".", 1)[-1] != "options"
+        keys.update(_leaves(value, key) if is_section else [key])
     return keys
 
 
