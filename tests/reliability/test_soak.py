@@ -47,8 +47,11 @@ def test_ctrl_c_ends_a_run_within_five_seconds(tiny_mixtral, tmp_path):
     path.write_text(yaml.safe_dump({"model": str(tiny_mixtral), "engine": "specter", "threads": 1,
                                     "max_new_tokens": 4000, "prompt": "def f(x):",
                                     "offload": {"link": {"kind": "emulated", "gbps": 1}}}))
+    # SIGINT at its default in the child: a shell's background job ignores it, and Python keeps an
+    # inherited ignore (so the run would decode on to its end, exit 0)
     process = subprocess.Popen([sys.executable, "-m", "specter.run", str(path)], stderr=subprocess.PIPE,
-                               stdout=subprocess.DEVNULL, text=True)
+                               stdout=subprocess.DEVNULL, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in process.stderr:  # wait until decoding runs
         if "prompt 1/1: 16/" in line:
             break
