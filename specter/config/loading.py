@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from specter.config.recipe import AUTO_LINK, Recipe
+from specter.errors import UnknownPluginError
 from specter.config.schema import check_bounded, display_key, _error, _from_mapping, _hints, _join, _plain, _plain_data, _schema_fields, _Section, _show, _suggest, _type_label, _type_name, _type_word
 
 # ----------------------------------------------------------------------------- loading
@@ -73,14 +74,21 @@ def load_recipe(
 def check_plugin_names(recipe: Recipe) -> None:
     """Raise ``UnknownPluginError`` (naming the recipe key) for an unregistered plugin the run uses.
 
-    ``offload.link.kind: auto`` is not a plugin but a choice the engine makes, so it passes.
+    ``offload.link.kind: auto`` is not a plugin but a choice the engine makes, so it passes (and an
+    unknown link's message lists it with the plugins).
     """
     from specter.plugins import registry
 
     plugins = registry()
     for choice in recipe.plugins_used():
-        if (choice.kind, choice.name) != ("link", AUTO_LINK):
+        if (choice.kind, choice.name) == ("link", AUTO_LINK):
+            continue
+        try:
             plugins.get(choice.kind, choice.name, key=choice.key)
+        except UnknownPluginError as error:
+            if choice.kind != "link":
+                raise
+            raise UnknownPluginError("link", choice.name, [*error.known, AUTO_LINK], key=choice.key) from None
 
 
 _YAML_NULLS = ("", "~", "null", "Null", "NULL")

@@ -347,6 +347,10 @@ def test_every_plugin_name_is_checked_whichever_engine_runs():
     with pytest.raises(UnknownPluginError, match="speculation.predictor.name: unknown predictor 'draf'; did you mean draft"):
         load_recipe({"engine": "resident", "speculation": {"predictor": {"name": "draf"}}})
     assert load_recipe(raw, check_plugins=False).engine == "resident"
+    with pytest.raises(UnknownPluginError) as caught:
+        load_recipe({"offload": {"link": {"kind": "emulatd"}}})
+    assert str(caught.value) == ("offload.link.kind: unknown link 'emulatd'; did you mean emulated? "
+                                 "known: auto, cuda, disk, emulated, local")  # auto is the engine's choice, listed too
     plugins = load_recipe({"engine": "specter"}, check_plugins=False).plugins_used()
     assert [choice.kind for choice in plugins] == ["engine", "cache_policy", "link", "predictor", "governor"]
 
