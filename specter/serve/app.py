@@ -6,8 +6,9 @@ Contract: ``create_app(engine, recipe, config)`` returns a Starlette app serving
 engine (the caller owns it). Every request is checked on the event loop before it may queue:
 API key (when ``config.api_key`` is set; ``/health`` stays open), body, model name, prompt
 length against the context; any problem answers with the OpenAI error shape and a 4xx status (a 500
-with code ``chat_template_invalid`` where the server's own chat template is broken, counted as
-failed) and touches neither the queue nor the request decoding. Each response carries ``usage`` and the
+with code ``chat_template_invalid`` where the server's own chat template is broken) and touches
+neither the queue nor the request decoding. Each request is counted in ``requests_total`` once:
+an error answer by its ``ApiError.outcome`` (a job the scheduler ended was counted there). Each response carries ``usage`` and the
 ``specter`` extension field; a client that disconnects (streamed or not) cancels its job.
 """
 
@@ -102,9 +103,9 @@ class ServerState:
         except QueueFull as full:
             self.metrics.count_request("rejected_queue_full")
             raise ApiError(429, str(full), type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(full.retry_after_s)}) from None
+                           headers={"Retry-After": str(full.retry_after_s)}, outcome=None) from None
         except RuntimeError as error:
-            raise ApiError(503, str(error), type="server_error", code="shutting_down") from None
+            raise ApiError(503, str(error), type="server_error", code="shutting_down", outcome=None) from None
         if body.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(self._stream(request, job, shapes, body.include_usage),
@@ -170,15 +171,17 @@ class ServerState:
 def _cancelled(event: Cancelled) -> ApiError:
     if event.by_shutdown:
         return ApiError(503, "the server is shutting down: the request was cancelled", type="server_error",
-                        code="shutting_down")
-    return ApiError(503, "the request was cancelled (the client went away)", type="server_error", code="cancelled")
+                        code="shutting_down", outcome=None)  # the scheduler counted the job
+    return ApiError(503, "the request was cancelled (the client went away)", type="server_error", code="cancelled",
+                    outcome=None)
 
 
 def _failure(error: BaseException) -> ApiError:
+    """A job that failed (the scheduler counted it as failed)."""
     if isinstance(error, SpecterError):
-        return ApiError(400, str(error))
+        return ApiError(400, str(error), outcome=None)
     log.error("generation failed", exc_info=(type(error), error, error.__traceback__))
-    return ApiError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
+    return ApiError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error", outcome=None)
 
 
 def _state(request: Request) -> ServerState:
@@ -237,10 +240,8 @@ async def chat_completions(request: Request) -> Response:
 # --- errors ------------------------------------------------------------------------------------
 async def _api_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, ApiError)
-    if 400 <= error.status < 500 and error.status != 429:
-        _state(request).metrics.count_request("rejected_invalid")
-    elif error.code == "chat_template_invalid":  # the scheduler never saw it: counted here (a cancel was there)
-        _state(request).metrics.count_request("failed")
+    if error.outcome is not None:
+        _state(request).metrics.count_request(error.outcome)
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 

@@ -22,12 +22,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 MAX_STOP_STRINGS = 4
 
 
+_FROM_STATUS = "from status"
+
+
 class ApiError(Exception):
+    """An OpenAI-shaped error answer. ``outcome``: what ``requests_total`` counts for it when it is
+    answered: by default ``rejected_invalid`` for a 4xx and ``failed`` for a 5xx; None where the
+    request was counted already (a full queue, a job the scheduler ended) or is no request outcome."""
+
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 outcome: str | None = _FROM_STATUS) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
+        self.outcome = ("rejected_invalid" if status < 500 else "failed") if outcome == _FROM_STATUS else outcome
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from serve_support import CHAT_MESSAGES, MAX_TOKENS, PROMPTS
+from specter.errors import SpecterError
 
 MODEL = "bundled:tiny-moe"
 
@@ -124,6 +125,21 @@ def test_a_broken_shipped_template_is_a_500_counted_as_failed(server, client):
     assert "--chat-template FILE" in caught.value.message and "TypeError" in caught.value.message
     assert server.state.metrics.requests["failed"] == failed + 1
     assert not server.state.scheduler.busy and server.state.scheduler.queue_depth == 0  # nothing queued
+
+
+@pytest.mark.parametrize("error, status", [(SpecterError("prompt 1: refused by the engine"), 400),
+                                           (RuntimeError("boom"), 500)])
+def test_a_generation_that_fails_is_counted_once_as_failed(server, monkeypatch, error, status):
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(server.engine, "generate", failing)
+    before = dict(server.state.metrics.requests)
+    code, _, body = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4})
+    assert code == status and str(error) in json.loads(body)["error"]["message"]
+    after = server.state.metrics.requests
+    assert after["failed"] == before["failed"] + 1  # by the scheduler, which ended the job
+    assert after["rejected_invalid"] == before["rejected_invalid"]  # a 400 here is no rejected request
 
 
 @pytest.mark.parametrize("stream", [False, True])
