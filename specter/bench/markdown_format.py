@@ -1,5 +1,5 @@
 """How a bench document's numbers are written into its markdown tables: ``-`` for a null, ratios
-as ``1.80x``, fractions as percentages, budgets as ``specter.bench.budgets.label`` writes them
+as ``1.80x``, budgets as ``specter.bench.budgets.label`` writes them
 (``25%``, ``8 per layer``, ``40 experts``, ``2 MiB``), cells escaped for a pipe table, a row's cell
 named ``budget / link / mode``. Used by ``specter.bench.tables`` and ``specter.bench.pairs``."""
 
@@ -16,10 +16,6 @@ def num(value: float | None, digits: int) -> str:
 
 def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
-
-
-def pct(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:g}%"
 
 
 def escape(text: object) -> str:

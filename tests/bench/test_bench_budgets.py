@@ -27,6 +27,12 @@ def test_a_budget_is_labelled_in_its_own_terms(value, shown):
     assert budgets.label(value) == shown
 
 
+@pytest.mark.parametrize("value, shown", [(None, "-"), (0.25, "25%"), (0.125, "12.5%"), (1, "100%"), (0.07, "7%"),
+                                          (0.0, "0%"), (0.0625, "6.25%")])
+def test_a_fraction_is_a_percentage_without_trailing_zeros(value, shown):
+    assert budgets.label(value) == shown
+
+
 def test_keys_are_hashable_and_equal_for_equal_budgets():
     keys = {budgets.key(value) for value in FORMS + [{"per_layer": 8}]}
     assert len(keys) == len(FORMS)

@@ -1,5 +1,5 @@
 """``specter.bench.markdown_format``: how each number of a bench document is written into its
-markdown tables (``-`` for a null, ratios as ``1.80x``, budgets as percentages, shares with one
+markdown tables (``-`` for a null, ratios as ``1.80x``, shares with one
 decimal), the null-safe arithmetic the tables use, pipe-table escaping and a row's cell name."""
 
 from __future__ import annotations
@@ -21,12 +21,6 @@ def test_num_rounds_to_the_digits_asked_and_shows_a_null_as_a_dash(value: float 
                                           (1, "1.00x")])
 def test_ratio_has_two_decimals_and_an_x(value: float | None, shown: str) -> None:
     assert fmt.ratio(value) == shown
-
-
-@pytest.mark.parametrize("value, shown", [(None, "-"), (0.25, "25%"), (0.125, "12.5%"), (1, "100%"), (0.07, "7%"),
-                                          (0.0, "0%"), (0.0625, "6.25%")])
-def test_pct_writes_a_fraction_as_a_percentage_without_trailing_zeros(value: float | None, shown: str) -> None:
-    assert fmt.pct(value) == shown
 
 
 @pytest.mark.parametrize("value, shown", [(None, "-"), (0.25, "25.0%"), (0.1234, "12.3%"), (1.0, "100.0%"),
