@@ -163,7 +163,7 @@ def offload(
 ) -> OffloadHandle:
     from specter.memory.cache import ExpertCache
     from specter.build import make_link, slots_for_budget
-    from specter.experts.runtime import ExpertRuntime, install
+    from specter.experts.runtime import ExpertRuntime, install, installed
     from specter.model.loader import split_experts
     from specter.plugins import registry
     from specter.model.compat import require_supported_transformers
@@ -172,7 +172,7 @@ def offload(
     if not isinstance(model, torch.nn.Module):
         raise SpecterError(f"model: expected a loaded transformers MoE model (a torch.nn.Module, e.g. from "
                            f"AutoModelForCausalLM.from_pretrained), got {type(model).__name__}")
-    if any(hasattr(module, "_specter_runtime") for module in model.modules()):
+    if installed(model):
         raise SpecterError("model: its experts are already offloaded by specter (specter.offload or an engine); "
                            "keep using that offload's handle, or call its remove() before offloading again")
     if not isinstance(link, (str, Mapping)):

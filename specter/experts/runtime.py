@@ -8,7 +8,8 @@ Contract:
   in place where ``chooses_blocked``); returns whether it did.
 - ``install(model, runtime)`` registers the ``"specter"`` experts implementation
   (``transformers.integrations.moe.ExpertsInterface``) and points every routed-experts module of
-  the model at ``runtime``; ``uninstall(model)`` restores the model's previous implementation.
+  the model at ``runtime``; ``uninstall(model)`` restores the model's previous implementation;
+  ``installed(model)`` says whether one is in.
 - ``ExpertRuntime.forward(layer, module, hidden [T,H], top_k_index [T,k], top_k_weights [T,k])``
   computes one MoE layer. In ``target`` mode the full-precision experts come from device cache
   slots (loaded on demand when missing); in ``draft`` mode from the layer's resident INT4 copy.
@@ -285,6 +286,11 @@ def install(model: nn.Module, runtime: ExpertRuntime) -> None:
         info.experts._specter_runtime = runtime
         info.experts._specter_layer = info.layer
     model.set_experts_implementation(IMPLEMENTATION_NAME)
+
+
+def installed(model: nn.Module) -> bool:
+    """Whether ``install`` put a runtime into ``model`` (and ``uninstall`` has not taken it out)."""
+    return any(hasattr(module, "_specter_runtime") for module in model.modules())
 
 
 def uninstall(model: nn.Module) -> None:
