@@ -57,6 +57,7 @@ from specter.config import Recipe, load_recipe
 from specter.config.loading import _read_yaml
 from specter.config.recipe import MAX_K
 from specter.config.schema import check_bounded
+from specter.config.unused import under
 from specter.errors import RecipeError, SpecterError, bounded_repr
 
 SAME_MEMORY = "ondemand@same-memory"
@@ -214,24 +215,21 @@ def dropped(key: str, replaced: Set[str], links: Mapping, fixed_only: bool) -> s
     drop), None where some cell takes it. ``replaced``: the sweep keys that do not come from the run
     recipe (all in a bench recipe; those given on the command line for a plain run recipe);
     ``fixed_only``: every specter row drafts a fixed k (its own governor k and options)."""
-    def under(prefix: str) -> bool:
-        return key == prefix or key.startswith(prefix + ".")
-
     if key == "engine":
         return "choose engines with --engines (sweep.engines)"
     if key == "check_lossless":
         return "every row's tokens are compared with eager resident's instead (its lossless column)"
     if key == "compile" and "compile" in replaced:
         return "use --compile (sweep.compile)"
-    if under("offload.expert_budget") and "budgets" in replaced:
+    if under(key, ["offload.expert_budget"]) and "budgets" in replaced:
         return "use --budgets (sweep.budgets)"
-    if under("offload.link") and "links" in replaced:
+    if under(key, ["offload.link"]) and "links" in replaced:
         sub = key.split(".")[2:3]
         if not sub or any(sub[0] in link for link in links.values()):  # else no link sets it: every cell takes it
             return "use --links (sweep.links)"
     if key in ("speculation.governor", "speculation.governor.name") and "governors" in replaced:
         return "use --governors (sweep.governors) or --k (sweep.k)"
-    if under("speculation.governor") and fixed_only and {"k", "governors"} & replaced:
+    if under(key, ["speculation.governor"]) and fixed_only and {"k", "governors"} & replaced:
         return "every specter row of this sweep drafts a fixed k: use --k (sweep.k), or add a row with --governors"
     return None
 

@@ -13,7 +13,8 @@ Keys a built-in engine ignores: every ``offload`` and ``speculation`` key for ``
 ``speculation`` for ``ondemand``, ``router-lookahead`` and ``hf-offload``; for ``hf-offload``
 also the link, cache policy, prefetch, host tier, pinning, timeout and copy checks (accelerate
 places and moves its weights); ``offload.link.gbps`` / ``latency_us`` where the link is not
-emulated (``auto`` on a CPU is).
+emulated (``auto`` on a CPU is). ``under(key, prefixes)``: whether a dotted key is one of the
+prefixes or inside one.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def override_keys(overrides: Iterable[str]) -> set[str]:
     return keys
 
 
-def _under(key: str, prefixes: Iterable[str]) -> bool:
+def under(key: str, prefixes: Iterable[str]) -> bool:
+    """Whether dotted ``key`` is one of ``prefixes`` or a key inside one (``offload.link.kind`` is
+    under ``offload``; ``offloads`` is not)."""
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
@@ -58,11 +61,11 @@ def unused_settings(recipe, given: Iterable[str]) -> list[tuple[str, str]]:
     unused: list[tuple[str, str]] = []
     for key in sorted(given):
         reason = None
-        if engine == "resident" and _under(key, ("offload", "speculation")):
+        if engine == "resident" and under(key, ("offload", "speculation")):
             reason = "engine resident keeps every expert on the device and does not speculate"
-        elif engine in ("ondemand", "router-lookahead", "hf-offload") and _under(key, ("speculation",)):
+        elif engine in ("ondemand", "router-lookahead", "hf-offload") and under(key, ("speculation",)):
             reason = f"engine {engine} does not speculate"
-        elif engine == "hf-offload" and _under(key, ("offload",)) and not _under(key, HF_OFFLOAD_READS):
+        elif engine == "hf-offload" and under(key, ("offload",)) and not under(key, HF_OFFLOAD_READS):
             reason = "engine hf-offload leaves placing and moving weights to accelerate"
         elif key in PACED_ONLY and engine in ("ondemand", "router-lookahead", "specter") \
                 and recipe.offload.link.kind in ("local", "cuda", "disk"):
