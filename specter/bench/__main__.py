@@ -1,6 +1,13 @@
 """``python -m specter.bench RECIPE [options]`` runs a bench; ``python -m specter.bench plot
-BENCH.json [--out DIR]`` redraws its plots (``specter.bench.plots.main``). See
-``specter.bench.spec`` for the bench recipe and ``specter.bench.sweep`` for what is measured.
+BENCH.json [--out DIR]`` redraws its plots (``plot``). See ``specter.bench.spec`` for the bench
+recipe, ``specter.bench.sweep`` for what is measured and ``specter.bench.plots`` for the figures.
+
+``plot(argv)`` takes the arguments after ``plot`` (a leading ``plot`` is dropped), writes next to
+the JSON file unless ``--out`` is given, prints each written path and returns 0; it returns 2
+(one line, ``error: ...``) when the file is not a readable ``specter.bench/2`` document or the
+output folder cannot be written (``prepare_out_dir(path)``: creates it and tries a file in it,
+else raises ``SpecterError("--out: cannot write to PATH: why")``; the bench's own ``--out`` is
+checked the same way), and 1 when nothing could be drawn.
 
 A mistake in the recipe or the options (the output folder included) is one line on stderr
 (``error: ...``) and exit code 2, before any engine is built; Ctrl-C prints ``interrupted`` and
@@ -10,6 +17,7 @@ exits 130.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import shlex
 import sys
@@ -102,7 +110,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run(argv: list[str]) -> int:
     args = parse_args(argv)
-    from specter.bench.plots import prepare_out_dir
     from specter.bench.spec import load_bench
     from specter.errors import SpecterError
 
@@ -143,13 +150,63 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def prepare_out_dir(path: Path) -> None:
+    """Create the folder ``path`` (and its parents) and check a file can be written in it."""
+    from specter.errors import SpecterError
+
+    try:
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder")
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise SpecterError(f"--out: cannot write to {path}: {error.strerror or error}") from None
+
+
+def plot(argv: list[str]) -> int:
+    """The ``plot`` subcommand (see the module docstring)."""
+    from specter.bench.plots import SCHEMA, plot_all
+    from specter.errors import SpecterError
+
+    args = list(argv)
+    if args[:1] == ["plot"]:
+        args = args[1:]
+    parser = argparse.ArgumentParser(prog="python -m specter.bench plot",
+                                     description="Render a specter.bench/2 JSON file as PNG figures.")
+    parser.add_argument("bench", type=Path, help="bench JSON written by python -m specter.bench")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: the JSON file's folder)")
+    ns = parser.parse_args(args)
+    try:
+        bench = json.loads(ns.bench.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot read {ns.bench}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(bench, dict) or bench.get("schema") != SCHEMA:
+        found = bench.get("schema") if isinstance(bench, dict) else type(bench).__name__
+        print(f"error: {ns.bench} is not a {SCHEMA} document (found {found!r})", file=sys.stderr)
+        return 2
+    out_dir = ns.out if ns.out is not None else ns.bench.parent
+    try:
+        prepare_out_dir(out_dir)
+    except SpecterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    written = plot_all(bench, out_dir, stem=ns.bench.stem)
+    for path in written:
+        print(path)
+    if not written:
+        print(f"error: nothing to plot in {ns.bench}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv and argv[0] == "plot":
-            from specter.bench.plots import main as plot_main
-
-            return plot_main(argv[1:])
+            return plot(argv[1:])
         return run(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""PNG figures of a ``specter.bench/2`` JSON document: ``python -m specter.bench plot BENCH.json [--out DIR]``.
+"""PNG figures of a ``specter.bench/2`` JSON document (``python -m specter.bench plot BENCH.json``).
 
 Contract: ``plot_all(bench, out_dir, stem=None)`` writes into ``out_dir`` (created if missing)
 each figure below that has something to draw, as ``<stem>-<name>.png`` (``stem`` defaults to the
@@ -24,23 +24,14 @@ bench title), and returns the written paths in this order:
 
 Titles name the model and the thread count, and say "(emulated link)" when links are emulated.
 Null or absent metrics are skipped. matplotlib is imported on first use, with the Agg backend.
-``main(argv)`` takes the arguments after ``plot`` (a leading ``plot`` is dropped), writes next to
-the JSON file unless ``--out`` is given, prints each written path and returns 0; it returns 2
-(one line, ``error: ...``) when the file is not a readable ``specter.bench/2`` document or the
-output folder cannot be written (``prepare_out_dir(path)``: creates it and tries a file in it,
-else raises ``SpecterError("--out: cannot write to PATH: why")``; the bench's own ``--out`` is
-checked the same way), and 1 when nothing could be drawn.
+The ``plot`` subcommand that calls ``plot_all`` on a JSON file is ``specter.bench.__main__.plot``.
 """
 
 from __future__ import annotations
 
-import argparse
-import errno
-import json
 import re
-import sys
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 
 from specter.bench import budgets as budget_of
@@ -355,53 +346,3 @@ def plot_all(bench: dict, out_dir: Path, stem: str | None = None) -> list[Path]:
             _pyplot().close(fig)
         written.append(path)
     return written
-
-
-def prepare_out_dir(path: Path) -> None:
-    """Create the folder ``path`` (and its parents) and check a file can be written in it."""
-    from specter.errors import SpecterError
-
-    try:
-        if path.exists() and not path.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder")
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise SpecterError(f"--out: cannot write to {path}: {error.strerror or error}") from None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from specter.errors import SpecterError
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["plot"]:
-        args = args[1:]
-    parser = argparse.ArgumentParser(prog="python -m specter.bench plot",
-                                     description="Render a specter.bench/2 JSON file as PNG figures.")
-    parser.add_argument("bench", type=Path, help="bench JSON written by python -m specter.bench")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: the JSON file's folder)")
-    ns = parser.parse_args(args)
-    try:
-        bench = json.loads(ns.bench.read_text())
-    except (OSError, ValueError) as exc:
-        print(f"error: cannot read {ns.bench}: {exc}", file=sys.stderr)
-        return 2
-    if not isinstance(bench, dict) or bench.get("schema") != SCHEMA:
-        found = bench.get("schema") if isinstance(bench, dict) else type(bench).__name__
-        print(f"error: {ns.bench} is not a {SCHEMA} document (found {found!r})", file=sys.stderr)
-        return 2
-    out_dir = ns.out if ns.out is not None else ns.bench.parent
-    try:
-        prepare_out_dir(out_dir)
-    except SpecterError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    written = plot_all(bench, out_dir, stem=ns.bench.stem)
-    for path in written:
-        print(path)
-    if not written:
-        print(f"error: nothing to plot in {ns.bench}", file=sys.stderr)
-        return 1
-    return 0

@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from specter.bench import plots
-from specter.bench.plots import main, plot_all
+from specter.bench.__main__ import plot
+from specter.bench.plots import plot_all
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NAMES = ("tokens", "ratio-heatmap", "hit-rate", "io-wait", "acceptance-k", "roofline")
@@ -55,33 +56,33 @@ def test_best_specter_row_per_cell(bench):
     assert {row["label"] for row in best.values()} == {"specter k=4"}
 
 
-def test_main_writes_next_to_out_dir(bench, tmp_path, capsys):
+def test_plot_writes_next_to_out_dir(bench, tmp_path, capsys):
     source = tmp_path / "in" / "bench-1.json"
     source.parent.mkdir()
     source.write_text(json.dumps(bench))
     out = tmp_path / "out"
-    assert main([str(source), "--out", str(out)]) == 0
+    assert plot([str(source), "--out", str(out)]) == 0
     printed = capsys.readouterr().out.split()
     assert printed == [str(out / f"bench-1-{name}.png") for name in NAMES]
     for path in out.iterdir():
         _check_png(path)
 
 
-def test_main_defaults_to_json_folder_and_accepts_plot_prefix(bench, tmp_path, capsys):
+def test_plot_defaults_to_json_folder_and_accepts_plot_prefix(bench, tmp_path, capsys):
     source = tmp_path / "b.json"
     source.write_text(json.dumps(bench))
-    assert main(["plot", str(source)]) == 0
+    assert plot(["plot", str(source)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(f"b-{name}.png" for name in NAMES)
 
 
-def test_main_rejects_bad_input(tmp_path, capsys):
-    assert main([str(tmp_path / "missing.json")]) == 2
+def test_plot_rejects_bad_input(tmp_path, capsys):
+    assert plot([str(tmp_path / "missing.json")]) == 2
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"schema": "specter.bench/1"}))
-    assert main([str(wrong)]) == 2
+    assert plot([str(wrong)]) == 2
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"schema": "specter.bench/2", "rows": []}))
-    assert main([str(empty)]) == 1
+    assert plot([str(empty)]) == 1
     assert "not a specter.bench/2 document" in capsys.readouterr().err
 
 
