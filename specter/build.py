@@ -50,8 +50,9 @@ def resolve_device(spec: str) -> torch.device:
 
 def make_link(recipe, device: torch.device, store=None):
     """The recipe's link plugin (``auto``: disk where ``experts_on`` is disk without a host tier,
-    else cuda on a CUDA device, else emulated), bound to ``device``. With ``offload.host_budget`` it is the host-to-device link of
-    a ``HostTierLink`` sized for ``store`` (which must then be given), which reads the disk."""
+    else cuda on a CUDA device, else emulated), bound to ``device``. With ``offload.host_budget``
+    it is the host-to-device link of a ``HostTierLink`` sized for ``store`` (which must then be
+    given), which reads the disk."""
     spec, offload = recipe.offload.link, recipe.offload
     tiered = offload.host_budget is not None
     kind = spec.kind
