@@ -22,7 +22,6 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 DESCRIPTION = """\
 Run engines side by side in one process: every cell of a sweep over expert budgets, links, fixed
@@ -57,26 +56,32 @@ def _ints(text: str) -> list[int]:
 
 
 def _budgets(text: str) -> list:
-    """Comma-separated budgets, each read as YAML (``0.25``, ``2MiB``, ``{per_layer: 8}``), an
-    unquoted word Python reads as a float (``1e-1``, which YAML leaves a string) as that float."""
+    """Comma-separated budgets, each read as YAML as recipe files are (``0.25``, ``1e-1``,
+    ``2MiB``, ``{per_layer: 8}``)."""
     import yaml
 
+    from specter.config.loading import yaml_value
+
     try:
-        nodes = yaml.compose(f"[{text}]", Loader=yaml.SafeLoader).value
-        items = yaml.safe_load(f"[{text}]")
+        return list(yaml_value(f"[{text}]"))
     except yaml.YAMLError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated budgets such as 0.25,0.5 or '{{per_layer: 8}},2MiB', got {text!r}") from None
-    return [_plain_float(node, item) for node, item in zip(nodes, items)]
 
 
-def _plain_float(node: Any, item: Any) -> Any:
-    if isinstance(item, str) and getattr(node, "style", "") is None:
-        try:
-            return float(item)
-        except ValueError:
-            pass
-    return item
+def _links(text: str) -> object:
+    """A mapping of link names to ``offload.link`` settings, JSON or YAML flow, read as recipe
+    files are (a name given twice is refused); its contents are checked by ``load_bench``."""
+    import yaml
+
+    from specter.config.loading import yaml_value
+
+    try:
+        return yaml_value(text)
+    except yaml.YAMLError as error:
+        problem = " ".join(str(getattr(error, "problem", None) or error).split())
+        raise argparse.ArgumentTypeError(
+            f"expected a mapping such as '{{\"local\": {{\"kind\": \"local\"}}}}' ({problem}), got {text!r}") from None
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -97,7 +102,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--governors", type=_csv,
                         help="comma-separated governors, one specter row each (replaces sweep.governors)")
     parser.add_argument("--compile", type=_bools, help="eager, compiled or eager,compiled (replaces sweep.compile)")
-    parser.add_argument("--links", help="JSON mapping of link names to offload.link settings (replaces sweep.links), "
+    parser.add_argument("--links", type=_links, help="JSON (or YAML) mapping of link names to offload.link settings (replaces sweep.links), "
                         "e.g. '{\"local\": {\"kind\": \"local\"}}'")
     parser.add_argument("--repeats", type=int, help="timed runs of every engine in every cell (replaces sweep.repeats)")
     parser.add_argument("--twins", type=_csv, help="comma-separated row labels run twice as identical engines "
@@ -117,13 +122,10 @@ def run(argv: list[str]) -> int:
              if getattr(args, key) is not None}
     try:
         if args.links is not None:
-            sweep["links"] = json.loads(args.links)
+            sweep["links"] = args.links
         spec = load_bench(args.recipe, args.overrides, sweep)
         out_dir = args.out or Path("reports") / spec.title
         prepare_out_dir(out_dir)
-    except json.JSONDecodeError as error:
-        print(f"error: --links: not valid JSON ({error})", file=sys.stderr)
-        return 2
     except SpecterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,6 +1,12 @@
 """Loading recipes: ``load_recipe`` (a YAML file, a mapping or a ``Recipe``, plus ``dotted.key=value``
 overrides parsed as YAML), plugin-name checks against the registry, and the schema's
-introspection (``recipe_keys``, ``describe`` for ``--explain``)."""
+introspection (``recipe_keys``, ``describe`` for ``--explain``).
+
+Every YAML Specter reads (recipe and bench files, ``--set`` values, the bench's ``--budgets``)
+goes through one loader, ``RecipeLoader``: ``yaml.safe_load`` that refuses a key given twice in one
+mapping and reads a number with an exponent as a float whether or not it has a decimal point
+(``1e-1``, ``2e3``: YAML 1.2's rule; PyYAML's YAML 1.1 leaves them strings). ``yaml_value(text)``
+parses one value with it."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -32,7 +39,7 @@ def load_recipe(
     A ``Recipe`` source is re-validated with the overrides and keeps its recipe directory (which
     ``load_recipe(recipe.to_dict())`` would lose, breaking relative paths).
 
-    Override values are parsed with ``yaml.safe_load`` (``0.25`` is a float, ``true`` a bool,
+    Override values are parsed as YAML (``yaml_value``: ``0.25`` and ``1e-1`` are floats, ``true`` a bool,
     ``[a, b]`` a list, ``2GiB`` a string, an empty value or ``null`` None; a value YAML would read
     as a comment alone, ``# TODO``, stays that text); keys under an ``options`` mapping are free-form. With
     ``check_plugins`` the names of the plugins the engine uses must be registered. ``source_dir``
@@ -94,9 +101,9 @@ def check_plugin_names(recipe: Recipe) -> None:
 _YAML_NULLS = ("", "~", "null", "Null", "NULL")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class RecipeLoader(yaml.SafeLoader):
     """``yaml.safe_load`` that refuses a key given twice in one mapping (YAML keeps the last one
-    silently: a second ``offload:`` section would replace the first)."""
+    silently: a second ``offload:`` section would replace the first) and reads ``1e-1`` as a float."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -116,6 +123,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+RecipeLoader.add_implicit_resolver(  # PyYAML's float pattern wants a dot and a signed exponent
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def yaml_value(text: str) -> Any:
+    """One YAML value (a ``--set`` value, a list of budgets) read as recipe files are."""
+    return yaml.load(text, Loader=RecipeLoader)
+
+
 def _read_yaml(path: Path) -> Any:
     shown = _plain(str(path))
     try:
@@ -129,7 +148,7 @@ def _read_yaml(path: Path) -> Any:
     except (OSError, ValueError) as exc:
         raise _error("recipe", f"cannot read {shown}: {exc}") from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        return yaml_value(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark is not None else shown
@@ -148,7 +167,7 @@ def _apply_override(raw: dict[str, Any], item: object) -> None:
     dotted, text = item.split("=", 1)
     dotted = dotted.strip()
     try:
-        value = yaml.safe_load(text)
+        value = yaml_value(text)
     except yaml.YAMLError as exc:
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
         shown = _show(text)

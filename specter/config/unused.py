@@ -23,6 +23,8 @@ from typing import Iterable, Mapping
 
 import yaml
 
+from specter.config.loading import yaml_value
+
 HF_OFFLOAD_READS = ("offload.expert_budget", "offload.experts_on", "offload.direct_io")
 PACED_ONLY = ("offload.link.gbps", "offload.link.latency_us")
 
@@ -42,7 +44,7 @@ def override_keys(overrides: Iterable[str]) -> set[str]:
         key, _, text = item.partition("=")
         key = key.strip()
         try:
-            value = yaml.safe_load(text)
+            value = yaml_value(text)
         except yaml.YAMLError:
             value = None
         is_section = isinstance(value, Mapping) and value and key.rsplit(".", 1)[-1] != "options"

@@ -144,3 +144,21 @@ def test_option_mistakes_name_what_was_expected(capsys):
     err = capsys.readouterr().err
     assert "argument --k: expected comma-separated integers" in err and "<lambda>" not in err
     assert parse_args(["r.yaml", "--budgets", "1e-1,.5,2MiB,'3'"]).budgets == [0.1, 0.5, "2MiB", "3"]
+
+
+def test_links_are_read_as_recipe_yaml_so_a_name_given_twice_is_refused(capsys):
+    both = '{"local": {"kind": "local"}, "local": {"kind": "emulated", "gbps": 1}}'
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["r.yaml", "--links", both])  # json.loads kept the second silently
+    assert exit_.value.code == 2
+    assert "'local' is given twice in one mapping" in capsys.readouterr().err
+    flow = parse_args(["r.yaml", "--links", "{slow: {kind: emulated, gbps: 4e0}}"]).links
+    assert flow == {"slow": {"kind": "emulated", "gbps": 4.0}}
+
+
+def test_a_bench_recipe_reads_budgets_with_an_exponent_as_fractions(tmp_path):
+    from specter.bench.spec import load_bench
+
+    recipe = tmp_path / "exp.yaml"
+    recipe.write_text("run: {}\nsweep:\n  engines: [resident, ondemand]\n  budgets: [25e-2, 5e-1]\n")
+    assert load_bench(recipe).budgets == (0.25, 0.5)

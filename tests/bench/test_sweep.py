@@ -124,7 +124,9 @@ def test_cli_writes_json_markdown_and_plots(tiny_mixtral, tmp_path):
 def test_cli_refuses_bad_input_with_exit_2(tiny_mixtral, tmp_path, capsys):
     assert main(["recipes/specter.yaml", "--budgets", "-3"]) == 2
     assert "sweep.budgets[0]" in capsys.readouterr().err
-    assert main(["recipes/specter.yaml", "--links", "{not json"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["recipes/specter.yaml", "--links", "{not json"])
+    assert exit_.value.code == 2 and "argument --links: expected a mapping" in capsys.readouterr().err
 
 
 class TurnTaker:

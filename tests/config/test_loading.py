@@ -242,3 +242,20 @@ def test_a_merged_mapping_may_override_the_keys_it_merges(tmp_path: Path) -> Non
 ])
 def test_an_override_value_yaml_reads_as_a_comment_alone_stays_text(text, expected) -> None:
     assert load_recipe({}, [f"prompt={text}"]).prompt == expected
+
+
+@pytest.mark.parametrize("written, expected", [("1e-1", 0.1), ("2.5e-1", 0.25), ("-1E2", -100.0), (".5e0", 0.5),
+                                               ("1.0e-1", 0.1), ("0.25", 0.25), ("7", 7), ("1e", "1e"),
+                                               ("2MiB", "2MiB"), ("'1e-1'", "1e-1")])
+def test_yaml_reads_an_exponent_without_a_dot_as_a_float(written, expected) -> None:
+    from specter.config.loading import yaml_value
+
+    value = yaml_value(written)  # PyYAML alone (YAML 1.1) reads 1e-1 as the string '1e-1'
+    assert value == expected and type(value) is type(expected)
+
+
+def test_a_budget_written_with_an_exponent_loads_from_a_file_and_an_override(tmp_path: Path) -> None:
+    recipe = tmp_path / "exp.yaml"
+    recipe.write_text("offload:\n  expert_budget: 1e-1\n")
+    assert load_recipe(recipe).offload.expert_budget.value == pytest.approx(0.1)
+    assert load_recipe({}, ["offload.expert_budget=25e-2"]).offload.expert_budget.value == pytest.approx(0.25)
