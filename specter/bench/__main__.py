@@ -124,6 +124,8 @@ def run(argv: list[str]) -> int:
         if args.links is not None:
             sweep["links"] = args.links
         spec = load_bench(args.recipe, args.overrides, sweep)
+        for key, instead in spec.unused:
+            print(f"warning: {key} has no effect: the bench sets it in every cell; {instead}", file=sys.stderr)
         out_dir = args.out or Path("reports") / spec.title
         prepare_out_dir(out_dir)
     except SpecterError as error:

@@ -36,7 +36,10 @@ engine is built: plugin names (a governor, a link kind) are checked against the 
 an override of a key the sweep sets in every cell (``dropped``: ``engine``, ``compile``,
 ``check_lossless``, ``offload.expert_budget``, ``offload.link`` and the keys of it a sweep link
 sets, ``speculation.governor``'s name, and its k and options where every specter row has a fixed
-k) is refused, naming the sweep option to use. ``fixed_k_overrides(k)``: the run recipe overrides
+k) is refused, naming the sweep option to use; "every cell" counts the sweep keys the recipe (or
+``sweep_overrides``) gives, since one left out takes the run recipe's value. The same keys written
+in a bench recipe's ``run`` section are kept in ``BenchSpec.unused`` as (``run.<key>``, the
+option to use) for the CLI to warn about. ``fixed_k_overrides(k)``: the run recipe overrides
 of a ``specter`` row that always drafts k (the sweep's ``specter k=<k>`` rows; scripts that build
 one cell's engine take them too); ``budget_override(budget)``, ``link_overrides(link)``,
 ``governor_override(name)``: the run recipe overrides of a cell's budget and link and of a
@@ -57,7 +60,7 @@ from specter.config import Recipe, load_recipe
 from specter.config.loading import _read_yaml
 from specter.config.recipe import MAX_K
 from specter.config.schema import check_bounded
-from specter.config.unused import under
+from specter.config.unused import leaves, under
 from specter.errors import RecipeError, SpecterError, bounded_repr
 
 SAME_MEMORY = "ondemand@same-memory"
@@ -81,6 +84,7 @@ class BenchSpec:
     repeats: int
     warmup_tokens: int
     twins: tuple[str, ...] = ()  # labels of offloaded rows run twice (A/A)
+    unused: tuple[tuple[str, str], ...] = ()  # (run.<key>, what to use): run-section keys every cell replaces
 
     def specter_variants(self) -> list[tuple[str, list[str], int | None, str]]:
         """(label, recipe overrides, k, governor) of every specter row."""
@@ -284,15 +288,19 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
     for key, value, low in (("repeats", repeats, 1), ("warmup_tokens", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise _error(f"sweep.{key}", f"expected an integer >= {low}, got {value!r:.60}")
-    replaced = set(sweep_overrides) if single_cell else set(SWEEP_KEYS)
+    replaced = set(sweep_overrides) if single_cell else set(sweep_raw) & set(SWEEP_KEYS)
+    fixed_only = "specter" in engines and not governors
     for item in overrides:
         key = item.split("=", 1)[0].strip()
-        instead = dropped(key, replaced, links, fixed_only="specter" in engines and not governors)
+        instead = dropped(key, replaced, links, fixed_only)
         if instead is not None:
             raise _error(f"--set {key}", f"the bench sets it in every cell, so this value would be dropped; {instead}")
+    written = [] if single_cell else sorted(set(leaves(run_raw)))
+    unused = tuple((f"run.{key}", instead) for key in written
+                   if (instead := dropped(key, replaced, links, fixed_only)) is not None)
     spec = BenchSpec(title=title, recipe=base, engines=tuple(engines), budgets=tuple(budgets), links=links,
                      k=tuple(ks), governors=tuple(governors), compile=tuple(dict.fromkeys(compile_modes)),
-                     repeats=repeats, warmup_tokens=warmup)
+                     repeats=repeats, warmup_tokens=warmup, unused=unused)
     twins = sweep_raw.get("twins", [])
     if not isinstance(twins, (list, tuple)) or not all(isinstance(t, str) for t in twins):
         raise _error("sweep.twins", "expected a list of row labels, like [specter k=4]")

@@ -14,7 +14,8 @@ Keys a built-in engine ignores: every ``offload`` and ``speculation`` key for ``
 also the link, cache policy, prefetch, host tier, pinning, timeout and copy checks (accelerate
 places and moves its weights); ``offload.link.gbps`` / ``latency_us`` where the link is not
 emulated (``auto`` on a CPU is). ``under(key, prefixes)``: whether a dotted key is one of the
-prefixes or inside one.
+prefixes or inside one. ``leaves(raw, prefix="")``: the dotted keys of a raw recipe mapping's
+settings, as ``override_keys`` counts them.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ HF_OFFLOAD_READS = ("offload.expert_budget", "offload.experts_on", "offload.dire
 PACED_ONLY = ("offload.link.gbps", "offload.link.latency_us")
 
 
-def _leaves(raw: Mapping, prefix: str) -> Iterable[str]:
+def leaves(raw: Mapping, prefix: str = "") -> Iterable[str]:
     for key, value in raw.items():
-        dotted = f"{prefix}.{key}"
+        dotted = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(value, Mapping) and value and key != "options":
-            yield from _leaves(value, dotted)
+            yield from leaves(value, dotted)
         else:
             yield dotted
 
@@ -48,7 +49,7 @@ def override_keys(overrides: Iterable[str]) -> set[str]:
         except yaml.YAMLError:
             value = None
         is_section = isinstance(value, Mapping) and value and key.rsplit(".", 1)[-1] != "options"
-        keys.update(_leaves(value, key) if is_section else [key])
+        keys.update(leaves(value, key) if is_section else [key])
     return keys
 
 

@@ -162,3 +162,31 @@ def test_a_bench_recipe_reads_budgets_with_an_exponent_as_fractions(tmp_path):
     recipe = tmp_path / "exp.yaml"
     recipe.write_text("run: {}\nsweep:\n  engines: [resident, ondemand]\n  budgets: [25e-2, 5e-1]\n")
     assert load_bench(recipe).budgets == (0.25, 0.5)
+
+
+def test_run_section_keys_the_sweep_replaces_are_warned_about(tmp_path, capsys, no_engines):
+    recipe = tmp_path / "dead.yaml"
+    recipe.write_text("run:\n  engine: specter\n  compile: true\n  offload: {expert_budget: 0.3}\n"
+                      "  speculation: {governor: {name: roofline, k: 2}}\n"
+                      "sweep:\n  engines: [resident, specter]\n  k: [4]\n  budgets: [0.5]\n")
+    from specter.bench.spec import load_bench
+
+    unused = dict(load_bench(recipe).unused)
+    # engine is always the sweep's; budgets and k are given; compile is not, so run.compile is used
+    assert set(unused) == {"run.engine", "run.offload.expert_budget", "run.speculation.governor.k",
+                           "run.speculation.governor.name"}
+    assert "--budgets" in unused["run.offload.expert_budget"]
+    assert load_bench(recipe).compile == (True,)
+    with pytest.raises(AssertionError, match="the bench ran"):  # a warning, not a refusal
+        main([str(recipe), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "warning: run.engine has no effect: the bench sets it in every cell; choose engines with --engines" in err
+
+
+def test_a_set_of_a_sweep_key_the_recipe_leaves_out_is_taken(tmp_path):
+    from specter.bench.spec import load_bench
+
+    recipe = tmp_path / "open.yaml"
+    recipe.write_text("run: {}\nsweep:\n  engines: [resident, ondemand]\n")
+    spec = load_bench(recipe, ["compile=true", "offload.expert_budget=0.3"])
+    assert spec.compile == (True,) and spec.budgets == (0.3,)
