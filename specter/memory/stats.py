@@ -1,8 +1,9 @@
-"""``CacheStats``: what an ``ExpertCache`` counted (its module docstring defines each counter)."""
+"""``CacheStats``: what an ``ExpertCache`` counted (its module docstring defines each counter);
+``a - b`` and ``a + b`` work counter by counter (the counts of a stretch of decoding, their sums)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass
@@ -29,3 +30,9 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self) | {"hit_rate": self.hit_rate()}
+
+    def __sub__(self, other: CacheStats) -> CacheStats:
+        return CacheStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(CacheStats)})
+
+    def __add__(self, other: CacheStats) -> CacheStats:
+        return CacheStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(CacheStats)})

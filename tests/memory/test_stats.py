@@ -59,3 +59,10 @@ def test_as_dict_is_a_snapshot() -> None:
     figures["misses"] = 99
     assert figures["hits"] == 1 and figures["hit_rate"] == 0.5
     assert stats.misses == 1 and stats.as_dict()["hit_rate"] == 0.75
+
+
+def test_stats_subtract_and_add_counter_by_counter():
+    later = CacheStats(hits=7, misses=3, demand_loads=2, prefetch_issued=5)
+    earlier = CacheStats(hits=4, misses=1, demand_loads=2, prefetch_issued=1)
+    assert later - earlier == CacheStats(hits=3, misses=2, demand_loads=0, prefetch_issued=4)
+    assert (later - earlier) + earlier == later
