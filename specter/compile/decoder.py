@@ -44,10 +44,13 @@ Contract:
   replays per layer what the eager path does inside it: observers get (layer, expert input,
   top_k_index, top_k_weights, mode); a cache target step's ``cache.acquire`` + ``release`` keep
   the cache's counters. On a CPU the draft graph tells the host each layer's routing as it runs.
-- Shapes: K/V buffers [1, n_kv, max_len, head_dim] per layer are allocated once and shared by
-  every ``StaticKV``. Attention reads the first ``span`` positions, ``span`` the length rounded
-  up to ``span_step`` and a dynamic dimension (``span_step=None``, the default on CUDA: always
-  ``max_len``, as CUDA graphs want). Cache contents, k and sequence growth do not recompile.
+- Shapes: K/V buffers [1, n_kv, max_len + 1, head_dim] per layer are allocated once and shared by
+  every ``StaticKV``; a sequence holds at most ``max_len`` positions (``forward_logits`` refuses
+  more). Attention reads the first ``span`` positions, ``span`` the length rounded up to
+  ``span_step`` (at most ``max_len``) and a dynamic dimension (``span_step=None``, the default on
+  CUDA: always ``max_len``, as CUDA graphs want). The spare position keeps every span shorter than
+  the buffers: a span as long as them made dynamo specialise it (ConstraintViolationError once a
+  sequence's span reached ``max_len``). Cache contents, k and sequence growth do not recompile.
 - ``warm_up(max_verify_tokens, draft)`` compiles every graph on scratch inputs (touching no
   observer, cache or counter); ``stats``: its seconds, steps per path, fused-step misses, graphs
   compiled after warm-up (``late_graphs``, from dynamo's counters).
@@ -124,7 +127,8 @@ class CompiledDecoder(DecoderGraphs):
         if decoder.rotary_emb.rope_type == "longrope" and self.max_len > longrope_switch(model):
             raise SpecterError(f"compile: longrope switches its frequencies past {longrope_switch(model)} tokens")
         self.span_step = span_step if span_step is not None or self.device.type == "cuda" else 64
-        shape = (1, self.arch.n_kv_heads, self.max_len)
+        # one spare position: every span (<= max_len) stays shorter than the buffers (see Shapes)
+        shape = (1, self.arch.n_kv_heads, self.max_len + 1)
         self._keys = [torch.zeros(*shape, self.arch.head_dim, dtype=self.dtype, device=self.device)
                       for _ in self.layers]
         self._values = [torch.zeros(*shape, self.arch.value_dim, dtype=self.dtype, device=self.device)

@@ -264,7 +264,7 @@ class StaticKV:
     """The decoder's static K/V buffers with a host-side length; crops like a DynamicCache."""
 
     def __init__(self, keys: list[Tensor], values: list[Tensor]) -> None:
-        self.keys, self.values = keys, values  # [1, nKV, max_len, d] per layer
+        self.keys, self.values = keys, values  # [1, nKV, positions, d] per layer (the decoder's: max_len + 1)
         self.length = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -180,20 +180,26 @@ class Engine:
 
     @property
     def context_length(self) -> int | None:
-        """The most positions the model takes (``max_position_embeddings``), None if it says none."""
+        """The most positions a sequence may take: the model's (``max_position_embeddings``, None
+        if it says none), or a compiled decoder's static KV cache where that holds fewer."""
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        return int(limit) if isinstance(limit, int) and limit > 0 else None
+        limit = int(limit) if isinstance(limit, int) and limit > 0 else None
+        if self.compiled is not None and (limit is None or self.compiled.max_len < limit):
+            return self.compiled.max_len
+        return limit
 
     def check_context(self, prompt_ids: Sequence[int], max_new_tokens: int, label: str = "prompt") -> None:
         """Refuse, before any work, a prompt whose length plus ``max_new_tokens`` exceeds the
-        model's context length (the speculative round's k draft positions are cut to fit)."""
+        context length (the speculative round's k draft positions are cut to fit)."""
         limit = self.context_length
         if not prompt_ids:
             raise SpecterError(f"{label}: empty after tokenisation")
         if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+            whose = "the model's" if self.compiled is None or limit != self.compiled.max_len else \
+                "the compiled decoder's (its static KV cache)"
             raise SpecterError(
                 f"{label}: {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} = "
-                f"{len(prompt_ids) + max_new_tokens} positions exceed the model's context length {limit}; "
+                f"{len(prompt_ids) + max_new_tokens} positions exceed {whose} context length {limit}; "
                 f"shorten the prompt or lower max_new_tokens"
             )
 
@@ -333,14 +339,6 @@ class ResidentEngine(Engine):
         }
 
 
-def subtract_stats(a: CacheStats, b: CacheStats) -> CacheStats:
-    return CacheStats(**{f.name: getattr(a, f.name) - getattr(b, f.name) for f in dataclasses.fields(CacheStats)})
-
-
-def add_stats(a: CacheStats, b: CacheStats) -> CacheStats:
-    return CacheStats(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(CacheStats)})
-
-
 class OffloadedEngine(Engine):
     """Dense weights on the device, experts in a host store, a budgeted device cache of experts."""
 
@@ -362,13 +360,13 @@ class OffloadedEngine(Engine):
     def prefill(self, prompt_ids, kv, generator, metrics) -> int:
         before = dataclasses.replace(self.cache.stats)
         token = super().prefill(prompt_ids, kv, generator, metrics)
-        self.prefill_stats = add_stats(self.prefill_stats, subtract_stats(self.cache.stats, before))
+        self.prefill_stats = self.prefill_stats + (self.cache.stats - before)
         return token
 
     def decode_stats(self) -> CacheStats:
         """Cache counters of the decode steps only (prefill streams experts through the slots and
         would make hit rates depend on prompt length)."""
-        return subtract_stats(self.cache.stats, self.prefill_stats)
+        return self.cache.stats - self.prefill_stats
 
     def engine_report(self) -> dict:
         stats = self.decode_stats()

@@ -173,6 +173,50 @@ def test_a_model_the_math_does_not_cover_is_refused_saying_what_is_missing():
         CompiledDecoder(model)
 
 
+@pytest.mark.parametrize("engine_name", ["resident", "specter"])
+def test_a_sequence_filling_the_whole_static_kv_cache_decodes_to_the_eager_tokens(engine_name, tmp_path):
+    """A model of 128 positions (the static KV cache's max_len, a multiple of span_step): prompts
+    whose length plus max_new_tokens is exactly 128, prefilled below the last span and within it,
+    decode compiled to the eager tokens. The last span reads every position; with K/V buffers
+    exactly that long, dynamo specialised the span's dynamic dimension and the step raised
+    ConstraintViolationError, though the context check had let the prompt through."""
+    path = save_random_checkpoint(tiny_config("mixtral", max_position_embeddings=128), tmp_path / "m128", seed=0)
+    cases = [(list(range(3, 103)), 28), (list(range(200, 140, -1)), 68), (list(range(2, 129)), 1)]
+    eager = specter.load(recipe(str(path), "resident", compile=False))
+    eager.eos_token_id = None  # random weights may emit EOS; fill the context
+    expected = [eager.generate([prompt], max_new_tokens=n).token_ids[0] for prompt, n in cases]
+    engine = specter.load(recipe(str(path), engine_name, compile=True, k=4))
+    engine.eos_token_id = None
+    assert engine.compiled.max_len == 128
+    for (prompt, n), tokens in zip(cases, expected):
+        report = engine.generate([prompt], max_new_tokens=n).report
+        assert report["outputs"][0]["token_ids"] == tokens and len(tokens) == n
+        assert report["compile"]["late_graphs"] == 0
+    engine.close()
+
+
+def test_a_sequence_past_the_static_kv_cache_is_refused_before_decoding(zoo_mixtral):
+    """A model of 4096 positions compiles with a 2048-position static KV cache: the compiled
+    engine's context length is the cache's, so a 2040-token prompt with 20 new tokens (which fits
+    the model) is refused before any token, naming that cache (it failed mid-way: compiled
+    ``specter``'s draft steps ran past the cache into a native RuntimeError), while one filling the
+    cache exactly decodes to the eager engine's tokens."""
+    prompt = [(7 * i) % 250 + 3 for i in range(2040)]
+    eager = specter.load(recipe(zoo_mixtral, "resident", compile=False))
+    eager.eos_token_id = None
+    expected = eager.generate([prompt], max_new_tokens=8).token_ids[0]
+    engine = specter.load(recipe(zoo_mixtral, "specter", compile=True, k=4))
+    engine.eos_token_id = None
+    assert engine.compiled.max_len == engine.context_length == 2048 < eager.context_length
+    streamed = []
+    with pytest.raises(SpecterError, match=r"2060 positions exceed the compiled decoder's \(its static KV cache\) "
+                                           r"context length 2048"):
+        engine.generate([prompt], max_new_tokens=20, on_tokens=lambda index, ids: streamed.append(list(ids)))
+    assert streamed == []
+    assert engine.generate([prompt], max_new_tokens=8).token_ids[0] == expected
+    engine.close()
+
+
 def test_static_kv_crops_like_a_dynamic_cache():
     kv = StaticKV([torch.zeros(1, 2, 8, 4)], [torch.zeros(1, 2, 8, 4)])
     kv.length = 6

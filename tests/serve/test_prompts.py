@@ -47,6 +47,7 @@ class FakeEngine:
     real engine's check, run on this object, with every call logged)."""
 
     model_path = "fake-model"
+    compiled = None
 
     def __init__(self, tokenizer, context_length: int | None = 64) -> None:
         self.tokenizer = tokenizer
