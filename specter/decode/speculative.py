@@ -25,10 +25,14 @@ Contract of one ``specter`` round (batch 1, one shared ``DynamicCache``):
    the target's distribution. The KV cache is cropped to the accepted length.
 The ``router-lookahead`` engine decodes one token per target step and prefetches layer L+1's
 experts from layer L's hidden state (no draft).
+Both engines close the scheduler's round when an exception cuts a round short (a failing link or
+plugin, an interrupt) before it propagates: no key stays protected and no prediction stays open,
+so the next call's prefill does not stream the cut round's predictions (``decode_round``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -120,14 +124,41 @@ class PrefetchingEngine(OffloadedEngine):
         keys = torch.cat([layer * self._expert_stride + index.reshape(-1) for layer, index in self._routing])
         return {divmod(key, self._expert_stride) for key in keys.unique().tolist()}
 
+    round_open = False  # between begin_round and end_round
+
     def begin_round(self, drafting: bool = False) -> None:
         """``drafting``: a draft runs before verification (the scheduler holds the last round's
         experts until its flush)."""
         self._routing = []
         self.scheduler.begin_round(hold_last_read=drafting)
+        self.round_open = True
 
     def end_round(self, used: set[tuple[int, int]] | None = None) -> None:
+        self.round_open = False
         self.scheduler.end_round(self.used_experts() if used is None else used)
+
+    def decode_round(self, token: int, kv, generator, metrics, remaining: int, context: list[int]) -> list[int]:
+        """``play_round``; should it raise, the scheduler's round is closed first
+        (``close_cut_round``)."""
+        try:
+            return self.play_round(token, kv, generator, metrics, remaining, context)
+        except BaseException:
+            self.close_cut_round()
+            raise
+
+    def play_round(self, token: int, kv, generator, metrics, remaining: int, context: list[int]) -> list[int]:
+        """One round: here the base engine's plain decoding step (its target step prefetching)."""
+        return super().decode_round(token, kv, generator, metrics, remaining, context)
+
+    def close_cut_round(self) -> None:
+        """End the round an exception cut short, as ``end_round`` ends one (the experts it read so
+        far as used), and lift every protection: left open, its predictions stayed protected and
+        the next prompt's prefill, whose layers advance the scheduler, streamed them in."""
+        if self.round_open:
+            with contextlib.suppress(Exception):  # the exception that cut the round is the one to see
+                self.end_round()
+            self.round_open = False
+        self.cache.unprotect_all()
 
     def reset_counters(self) -> None:
         super().reset_counters()
@@ -286,7 +317,11 @@ class SpecterEngine(PrefetchingEngine):
         self.guarded(self.predictor.reset)
         call_plugin("governor", self.governor, "start_prompt")  # Governor's default does nothing
 
-    def decode_round(self, token: int, kv, generator, metrics, remaining: int, context: list[int]) -> list[int]:
+    def close_cut_round(self) -> None:
+        super().close_cut_round()
+        self._plain_round = False
+
+    def play_round(self, token: int, kv, generator, metrics, remaining: int, context: list[int]) -> list[int]:
         """One speculative round: draft k (the governor's choice, at most ``remaining - 1``),
         flush the prefetches, verify the k+1 tokens in one target pass, keep the accepted ones."""
         started = time.perf_counter()

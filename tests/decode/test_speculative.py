@@ -249,3 +249,31 @@ def test_sampling_is_reproducible_and_in_vocab(engine, zoo_checkpoints):
     if engine == "specter":
         assert 0.0 <= first.report["acceptance_rate"] <= 1.0
         assert first.report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 0}
+
+
+@pytest.mark.parametrize("engine_name, method", [("specter", "flush"), ("router-lookahead", "advance")])
+def test_an_exception_inside_a_round_leaves_no_round_open(engine_name, method, zoo_checkpoints, resident):
+    """A round cut short by an exception (here the scheduler's third ``flush`` / ``advance``
+    call, inside a round) is closed before the exception propagates: nothing stays protected,
+    and the next call's prefill prefetches nothing (a round left open had its layers stream the
+    cut round's predictions in) and its tokens are the resident engine's."""
+    engine = specter.load(recipe(zoo_checkpoints["mixtral"], engine_name))
+    try:
+        original, calls = getattr(engine.scheduler, method), []
+
+        def failing(*args):
+            calls.append(args)
+            if len(calls) == 3:
+                raise KeyboardInterrupt("cut inside a round")
+            return original(*args)
+
+        setattr(engine.scheduler, method, failing)
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(PROMPTS)
+        delattr(engine.scheduler, method)  # the scheduler's own method again
+        assert not engine.cache.protected_keys()
+        result = engine.generate(PROMPTS)
+        assert result.token_ids == resident["mixtral"]
+        assert result.report["cache"]["prefill"]["prefetch_issued"] == 0
+    finally:
+        engine.close()
