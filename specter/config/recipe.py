@@ -203,7 +203,8 @@ class Recipe(_Section):
                          check=lambda v: _DEVICE.fullmatch(v) is not None, allowed="auto, cpu, cuda, cuda:N")
     dtype: str = _field("dtype of the full-precision weights and activations", "float32", **_one_of(*DTYPES))
     threads: int = _field("torch.set_num_threads for the run", 1, **_between(1, MAX_THREADS, "an integer"))
-    seed: int = _field("seed of every random number generator", 0, **_between(0, MAX_SEED, "an integer"))
+    seed: int = _field("seed of every random number generator (sampled text repeats with it, except where an "
+                       "adaptive governor picks k from timings)", 0, **_between(0, MAX_SEED, "an integer"))
     prompt: str | None = _field("a single prompt (set at most one of prompt, prompts, prompts_file)", None,
                                 **_non_empty("string"))
     prompts: list[str] | None = _field("a list of prompts", None,
