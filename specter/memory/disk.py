@@ -3,7 +3,9 @@
 Contract:
 - ``CheckpointIndex(directory)`` reads the header of ``model.safetensors`` or of every shard named
   by ``model.safetensors.index.json``: for each tensor its file, dtype, shape and byte range.
-  Errors name the file (missing shard, bad header, a range past the end of the file).
+  Errors name the file (missing shard, bad header, a range past the end of the file, a file this
+  process may not read). ``indexed_shards(directory)``: the shard files an index names (None
+  without an index).
 - ``DiskExperts(index, layers, dtype)`` maps every (layer, expert) of the model's routed experts
   (``specter.model.layout.MoELayer``) to the pieces of the checkpoint that make it, in either
   layout transformers writes or reads: *stacked* (``...experts.gate_up_proj`` [E, ...], one slice
@@ -15,26 +17,36 @@ Contract:
   (``specter.model.expert_layout``: the loader sets it when the engine's experts are kept so).
   ``check(layer, reference)`` compares expert 0 with the loaded model's own tensors, so a mapping
   that would be wrong is refused.
+- ``detached()``: a reader of the same mapping with files and counters of its own, closed by its
+  ``with`` block (or ``close()``). Reads that are not a link's (the mapping check, a layer read
+  whole by ``DiskStore.stacked`` / ``standard`` to quantise the draft) go through one, so the
+  counters below hold only what the links read (and the cache's copy checks and repairs, through
+  ``DiskSource``), and a ``DiskExperts`` has a file open only once a link has read through it
+  (the link's ``close()`` closes it; a reader collected unclosed closes its files too).
 - Reads: one ``os.preadv`` per contiguous run of bytes (an expert's tensors are usually adjacent),
   through ``O_DIRECT`` when ``direct`` (page cache bypassed: honest disk figures; the read is
   widened to 4 KiB alignment into a page-aligned buffer) or, where the filesystem refuses
   ``O_DIRECT``, buffered reads followed by ``POSIX_FADV_DONTNEED`` on the range (pages dropped
-  after each read). ``direct=False`` allows the page cache (what a memory-mapped file gets).
-  ``mode`` says which one is in effect. A short read or an I/O error raises ``SpecterError``
-  naming the file and the tensor. Reads are thread-safe (no shared file offsets).
-- ``bytes_read`` counts what was read and ``busy_s`` the wall time during which at least one read
-  was in flight, so ``bytes_read / busy_s`` is the bandwidth the disk delivered; ``figures()``
-  gives them (with ``mode``) as the links' report entries.
+  after each read; every read whose direct attempt the filesystem refused is retried so, however
+  many workers met the refusal at once). ``direct=False`` allows the page cache (what a
+  memory-mapped file gets). ``mode`` says which one is in effect. A short read or an I/O error
+  raises ``SpecterError`` naming the file and the tensor. Reads are thread-safe (no shared file
+  offsets).
+- ``bytes_read`` counts what was read through this reader and ``busy_s`` the wall time during
+  which at least one read was in flight, so ``bytes_read / busy_s`` is the bandwidth the disk
+  delivered; ``figures()`` gives them (with ``mode``) as the links' report entries.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import mmap
 import os
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,14 +82,8 @@ class CheckpointIndex:
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as error:
-                raise SpecterError(f"model: {index} is not a safetensors index ({error})") from None
-            files = sorted({self.directory / name for name in weight_map.values()})
-        else:
+        files = indexed_shards(self.directory)
+        if files is None:
             files = sorted(self.directory.glob("*.safetensors"))
         if not files:
             raise SpecterError(f"model: {self.directory} has no safetensors files for the disk tier")
@@ -90,6 +96,22 @@ class CheckpointIndex:
 
     def names(self) -> list[str]:
         return list(self.tensors)
+
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def indexed_shards(directory: Path) -> list[Path] | None:
+    """The shard files ``directory``'s safetensors index names, sorted (None when it has no index);
+    an unreadable index is a ``SpecterError`` naming it."""
+    index = Path(directory) / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({Path(directory) / name for name in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise SpecterError(f"model: {index} is not a safetensors index ({error})") from None
 
 
 def read_header(file: Path) -> dict[str, TensorRange]:
@@ -111,6 +133,9 @@ def read_header(file: Path) -> dict[str, TensorRange]:
             header = json.loads(handle.read(header_len))
     except FileNotFoundError:
         raise SpecterError(f"model: shard {file} is missing") from None
+    except PermissionError:
+        raise SpecterError(f"model: {file} cannot be read by this process (permission denied); make it "
+                           "readable or use a copy of the checkpoint") from None
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise corrupt(f"unreadable header: {error}") from None
     if not isinstance(header, dict):
@@ -164,7 +189,24 @@ class DiskExperts:
         self._active = 0
         self._busy_since = 0.0
         self._fds: dict[tuple[Path, bool], int] = {}
+        self._closer = weakref.finalize(self, _close_all, self._fds)
         self.blocked = False  # reads write each weight blocked (specter.model.expert_layout)
+
+    def detached(self) -> "DiskExperts":
+        """A reader of the same mapping and mode with files and counters of its own (see the module
+        docstring); a context manager that closes it."""
+        reader = copy.copy(self)
+        reader._lock = threading.Lock()
+        reader.bytes_read, reader.busy_s, reader._active = 0, 0.0, 0
+        reader._fds = {}
+        reader._closer = weakref.finalize(reader, _close_all, reader._fds)
+        return reader
+
+    def __enter__(self) -> "DiskExperts":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # ----- mapping ----------------------------------------------------------------------------
 
@@ -211,8 +253,9 @@ class DiskExperts:
 
     def check(self, layer: int, reference: dict[str, torch.Tensor]) -> None:
         """Refuse a mapping that does not reproduce expert 0 of ``layer`` as loaded (``reference``:
-        the module's per-expert tensors, [E, ...] each)."""
-        got = self.read(layer, 0)
+        the module's per-expert tensors, [E, ...] each; read through a ``detached()`` reader)."""
+        with self.detached() as reader:
+            got = reader.read(layer, 0)
         for name, tensor in got.items():
             expected = reference[name][0].to(self.dtype)
             if tensor.shape != expected.shape or not torch.equal(tensor, expected):
@@ -267,10 +310,11 @@ class DiskExperts:
                     self.busy_s += time.perf_counter() - self._busy_since
 
     def _read_checked(self, file: Path, start: int, end: int, tensor: str) -> memoryview:
+        direct = self._direct_ok  # this read's own choice: another worker may switch it meanwhile
         try:
-            data = self._read_direct(file, start, end) if self._direct_ok else self._read_buffered(file, start, end)
+            data = self._read_direct(file, start, end) if direct else self._read_buffered(file, start, end)
         except OSError as error:
-            if self._direct_ok and error.errno == 22:  # EINVAL: this filesystem refuses O_DIRECT
+            if direct and error.errno == 22:  # EINVAL: this filesystem refuses O_DIRECT (whoever saw it first)
                 self._direct_ok = False
                 self.mode = "buffered + POSIX_FADV_DONTNEED"
                 return self._read_checked(file, start, end, tensor)
@@ -308,9 +352,13 @@ class DiskExperts:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            _close_all(self._fds)
+
+
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 def _contiguous_runs(pieces: list[Piece]) -> list[list[Piece]]:

@@ -7,7 +7,8 @@ Contract:
   expert's tensors that reads them from disk the first time they are looked at (so any link, even
   ``local``, copies from it), and that the ``disk`` link reads straight into a cache slot.
   ``stacked`` reads a whole layer in the store's layout (``blocked``: the disk tier's), ``standard``
-  in the standard layout (used once, to quantise the INT4 draft).
+  in the standard layout (used once, to quantise the INT4 draft); both read through a
+  ``DiskExperts.detached()`` reader, so the link's read figures count none of it.
 - ``DiskLink(workers=4, device=None)`` (plugin ``disk``): ``submit`` hands the read of a
   ``DiskSource`` into the slot to a pool of ``workers`` threads (several reads in flight, real
   I/O, nothing emulated) and returns a transfer done when the bytes are in the slot; a source
@@ -103,8 +104,9 @@ class DiskStore:
 
     def _read_layer(self, layer: int, blocked: bool) -> dict[str, torch.Tensor]:
         out = {name: torch.empty((self._n_experts, *shape), dtype=self.dtype) for name, shape in self.param_shapes.items()}
-        for expert in range(self._n_experts):
-            self.disk.read_into({name: tensor[expert] for name, tensor in out.items()}, layer, expert, blocked)
+        with self.disk.detached() as reader:  # not the link's reads: its figures and files stay untouched
+            for expert in range(self._n_experts):
+                reader.read_into({name: tensor[expert] for name, tensor in out.items()}, layer, expert, blocked)
         return out
 
 

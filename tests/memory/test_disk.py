@@ -5,6 +5,7 @@ a truncated or unreadable file."""
 from __future__ import annotations
 
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -94,8 +95,12 @@ def test_a_short_read_while_decoding_names_the_file_and_tensor(sharded, monkeypa
     engine = specter.load(recipe(sharded, expert_budget={"experts": 2}, direct_io=direct_io))
     real_preadv = os.preadv  # both read modes read through preadv
     monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: min(real_preadv(fd, buffers, offset), 100))
-    with pytest.raises(SpecterError, match=r"disk tier: short read of tensor '.*experts.*' from .*\.safetensors"):
-        engine.generate(PROMPTS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(SpecterError, match=r"disk tier: short read of tensor '.*experts.*' from .*\.safetensors"):
+            engine.generate(PROMPTS)
+    # the reload from the checkpoint failed the same way: no warning claims it was reloaded
+    assert not [w for w in caught if "reloaded it directly" in str(w.message)]
     monkeypatch.undo()
     engine.close()
 
@@ -167,3 +172,136 @@ def test_every_layout_decodes_from_disk_as_resident_does(arch, tmp_path):
         assert engine.generate(PROMPTS).token_ids == reference
     finally:
         engine.close()
+
+
+def open_files_under(directory) -> list[str]:
+    """The files under ``directory`` this process holds open."""
+    import os
+
+    root, found = str(directory.resolve()), []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(root + "/"):
+            found.append(target)
+    return found
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_the_link_figures_count_only_the_links_reads_not_the_drafts(sharded, monkeypatch, tiered):
+    """``specter`` quantises its draft from every expert read off the disk at load; the report's
+    disk figures of the first run counted those reads as the link's (a 3-layer model: 48 experts
+    more than the cache ever loaded)."""
+    monkeypatch.delenv("SPECTER_VERIFY_COPIES", raising=False)  # its checksums would read the disk too
+    tier = {"host_budget": 0.5, "link": {"kind": "local"}} if tiered else {}
+    engine = specter.load(recipe(sharded, "specter", verify_copies=False, **tier))
+    try:
+        report = engine.generate(PROMPTS).report
+        per_expert = engine.store.disk.expert_file_bytes(engine.layers[0].layer, 0)
+        assert per_expert == engine.store.expert_bytes  # a float32 checkpoint run in float32
+        loads = report["bytes_transferred"] // engine.store.expert_bytes  # the cache's loads, prefill included
+        reads = report["link"]["host_tier"]["disk_reads"] if tiered else loads
+        assert report["link"]["bytes_read"] == reads * per_expert
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("engine_name", ["ondemand", "specter"])
+def test_an_engine_closed_before_it_generates_leaves_no_checkpoint_file_open(sharded, engine_name):
+    before = open_files_under(sharded)
+    for _ in range(2):
+        engine = specter.load(recipe(sharded, engine_name))
+        engine.close()
+    assert open_files_under(sharded) == before
+
+
+def test_a_detached_reader_reads_the_same_bytes_and_counts_on_its_own(tiny_mixtral):
+    model = specter.load({"model": str(tiny_mixtral), "engine": "resident", "device": "cpu"}).model
+    disk = DiskExperts(CheckpointIndex(tiny_mixtral), moe_layers(model), torch.float32)
+    before = open_files_under(tiny_mixtral)
+    with disk.detached() as reader:
+        got = reader.read(0, 3)
+        assert reader.bytes_read == disk.expert_file_bytes(0, 3) and len(open_files_under(tiny_mixtral)) > len(before)
+    assert disk.bytes_read == 0 and open_files_under(tiny_mixtral) == before
+    for name, tensor in disk.read(0, 3).items():
+        assert torch.equal(tensor, got[name])
+    assert disk.bytes_read == disk.expert_file_bytes(0, 3)
+    disk.close()
+    assert open_files_under(tiny_mixtral) == before
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_is_named_before_loading(sharded, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(sharded, copy)
+    shard = sorted(copy.glob("*.safetensors"))[1]
+    shard.unlink()
+    for engine in ("ondemand", "resident", "hf-offload"):
+        with pytest.raises(SpecterError, match=rf"^model: shard {shard.name} named by .*index.json is missing"):
+            specter.load(recipe(copy, engine))
+
+
+def test_an_unreadable_checkpoint_file_is_not_called_corrupt(sharded, monkeypatch):
+    """As root ``chmod`` does not stop a read, so the refusal is simulated where the header is read."""
+    from pathlib import Path
+
+    shard = sorted(sharded.glob("*.safetensors"))[0]
+    real_open = Path.open
+
+    def refusing(self, *args, **kwargs):
+        if self == shard:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refusing)
+    with pytest.raises(SpecterError, match=rf"^model: {shard} cannot be read by this process \(permission denied\)"):
+        specter.load(recipe(sharded))
+
+
+def test_a_pickle_checkpoint_is_refused_for_the_disk_tier_saying_why(tmp_path):
+    """``allow_pickle: true`` lets a ``.bin`` checkpoint load, but the disk tier reads safetensors
+    byte ranges: a one-line refusal naming ``offload.experts_on``, not transformers' OSError."""
+    model = random_model("mixtral", seed=3, layers=2)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(SpecterError, match=r"^offload\.experts_on: disk reads the experts from the checkpoint's "
+                                           r"safetensors files, but .* holds only pickle"):
+        specter.load({**recipe(tmp_path), "allow_pickle": True})
+
+
+def test_concurrent_reads_on_a_filesystem_that_refuses_o_direct_all_fall_back(tiny_mixtral, monkeypatch):
+    """Where ``O_DIRECT`` is refused (EINVAL), the disk link's workers meet the refusal together;
+    the first to see it switched the reader to buffered reads, and a read whose direct attempt
+    failed after that switch was reported as a failed read (``SpecterError``) instead of retried."""
+    import concurrent.futures
+    import errno
+    import os
+    import threading
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    model = specter.load({"model": str(tiny_mixtral), "engine": "resident", "device": "cpu"}).model
+    disk = DiskExperts(CheckpointIndex(tiny_mixtral), moe_layers(model), torch.float32, direct=True)
+    real_open, real_direct = os.open, DiskExperts._read_direct
+    together = threading.Barrier(2)
+
+    def refusing_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def direct_attempt(self, file, start, end):
+        together.wait(timeout=10)  # both reads chose O_DIRECT before either met the refusal
+        return real_direct(self, file, start, end)
+
+    monkeypatch.setattr(os, "open", refusing_direct)
+    monkeypatch.setattr(DiskExperts, "_read_direct", direct_attempt)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda expert: disk.read(0, expert), [0, 1]))
+    monkeypatch.undo()
+    assert disk.mode == "buffered + POSIX_FADV_DONTNEED"
+    for expert, got in enumerate(results):
+        for name, tensor in got.items():
+            assert torch.equal(tensor, getattr(moe_layers(model)[0].experts, name)[expert])
+    disk.close()
