@@ -8,7 +8,10 @@ Contract: ``build_hf_offload(recipe, path, tokenizer, device, dtype)`` returns a
 disk tier its ``link`` entry and ``transfer_wait_s`` say what accelerate read and how long decoding
 waited for it (``specter.decode.hf_offload_io``); with ``offload.experts_on: disk`` and
 ``offload.direct_io`` (the setting every engine of a disk-tier recipe runs in) the offloaded files'
-pages are dropped after each read. ``close()`` removes the offload folder.
+pages are dropped after each read. ``close()`` removes the offload folder. A forward that cannot
+read accelerate's offloaded weights (the offload folder or a checkpoint file gone or unreadable
+while the engine lives, e.g. a temp-directory cleaner) is a ``SpecterError`` naming the file and
+the folder, not a traceback from inside accelerate.
 """
 
 from __future__ import annotations
@@ -86,6 +89,15 @@ class HFOffloadEngine(Engine):
         if self.reads is not None:
             self._prefill_wait_s += self.reads.wait_s - before
         return token
+
+    def forward_logits(self, input_ids, kv):
+        try:
+            return super().forward_logits(input_ids, kv)
+        except OSError as error:  # accelerate reads its offloaded weights from files during the forward
+            folder = f" (offload folder {self.offload_folder})" if self.offload_folder else ""
+            raise SpecterError(f"engine: hf-offload: accelerate could not read its offloaded weights{folder}: "
+                               f"{type(error).__name__}: {error}; the offload files must stay in place while "
+                               "the engine runs") from error
 
     def engine_report(self) -> dict:
         placed = self.placement

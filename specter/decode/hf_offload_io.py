@@ -11,10 +11,13 @@ upper bound, and the bytes the process read from storage meanwhile (``/proc/self
 disk's rate. With ``drop_pages`` every file the module's weights live in gets
 ``POSIX_FADV_DONTNEED`` after its forward, so the next forward reads them from the disk again, as
 on a machine whose RAM cannot hold the offloaded weights (the comparison the disk tier is for);
-without it the page cache keeps them (what a memory-mapped file gets on a machine with RAM to
-spare). ``describe()`` gives the report's ``link`` entry (``kind``, ``io``, ``bytes_read``,
-``busy_s``, ``read_gbps``); ``wait_s`` is that time since ``reset()``. Accelerate releases its
-weights after each forward, so nothing keeps the dropped pages mapped.
+the files are also flushed (``fsync``) and dropped once at ``install``: transformers has just
+written the offload folder, and ``POSIX_FADV_DONTNEED`` leaves dirty pages in place, so without
+the flush the first forwards would be served from memory. Without ``drop_pages`` the page cache
+keeps them (what a memory-mapped file gets on a machine with RAM to spare). ``describe()`` gives
+the report's ``link`` entry (``kind``, ``io``, ``bytes_read``, ``busy_s``, ``read_gbps``);
+``wait_s`` is that time since ``reset()``. Accelerate releases its weights after each forward, so
+nothing keeps the dropped pages mapped.
 """
 
 from __future__ import annotations
@@ -97,8 +100,14 @@ class OffloadReads:
         module.register_forward_hook(after)
 
     def _open(self, path: Path) -> int:
+        """``path`` opened once, its pages written back and dropped (the folder was just written)."""
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # clean pages only can be dropped
+            except OSError:  # a file system that cannot flush (read-only, special): its pages are clean
+                pass
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return self._fds[path]
 
     @property

@@ -3,7 +3,8 @@
 Contract: ``CopyRepair(store)`` serves one cache. ``intact(dst, key)`` says whether the tensors of
 ``dst`` (a slot's views) hold expert ``key`` of the host store, by checksum (the store's computed
 once per key). ``reload(dst, key, why, verify)`` copies the expert straight from the store into
-``dst``; the first reload of the cache's life warns (``why`` says what failed), more than
+``dst``; the first reload of the cache's life that succeeds warns (``why`` says what failed;
+a reload that raises, as a disk tier's read of a truncated file does, only raises), more than
 ``MAX_RELOADS`` of them raise ``SpecterError`` (the link is broken), and with ``verify`` a reload
 that is wrong too raises. ``total`` counts the reloads.
 """
@@ -27,6 +28,7 @@ class CopyRepair:
         self.store = store
         self.total = 0
         self._checksums: dict[ExpertKey, tuple[int, ...]] = {}
+        self._warned = False
 
     def intact(self, dst: dict[str, torch.Tensor], key: ExpertKey) -> bool:
         if key not in self._checksums:
@@ -37,9 +39,10 @@ class CopyRepair:
         self.total += 1
         if self.total > MAX_RELOADS:
             raise SpecterError(f"{why}; {MAX_RELOADS} reloads already, the link is broken")
-        if self.total == 1:
-            warnings.warn(f"{why}; reloaded it directly from the store (further faults are counted in the report "
-                          f"as cache reloads)", RuntimeWarning, stacklevel=3)
-        copy_all(dst, self.store.expert(*key))
+        copy_all(dst, self.store.expert(*key))  # a store that fails too (a disk tier's file gone) raises here
         if verify and not self.intact(dst, key):
             raise SpecterError(f"{why}; the reload from the store is wrong too")
+        if not self._warned:  # only once a reload worked: the warning says it did
+            self._warned = True
+            warnings.warn(f"{why}; reloaded it directly from the store (further faults are counted in the report "
+                          f"as cache reloads)", RuntimeWarning, stacklevel=3)

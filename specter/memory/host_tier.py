@@ -16,7 +16,8 @@ the same plugins serve both tiers). ``submit(dst, src, slot)`` for a ``DiskSourc
 ``stage(src)`` starts the disk-to-host read of an expert predicted to be needed, with no device
 copy and no device slot: the prefetch scheduler stages every prediction the moment it arrives,
 so disk reads run ahead of host-to-device copies, which wait for device slots. A read error
-reaches the caller through the transfer's ``wait()`` and the buffer is released, never kept.
+reaches the caller through the transfer's ``wait()`` and the buffer is released, never kept (a
+failed staged read is never counted among the staged reads later used).
 ``describe()`` is the device link's entry plus the disk's read figures (``io``, ``bytes_read``,
 ``busy_s``, ``read_gbps``) and ``host_tier`` (capacity, experts held, host hits, disk reads,
 staged reads, staged reads later used, evictions, reads not kept).
@@ -107,6 +108,7 @@ class HostTierLink(Link):
             with self._lock:
                 self._reading.pop(key, None)
                 self._free.append(buffer)
+                self._staged_unused.discard(key)  # a failed staging serves nothing: not counted as used
             raise
         with self._lock:
             self._reading.pop(key, None)

@@ -2,6 +2,9 @@
 
 Contract:
 - ``checkpoint_dir(path)`` -> the path, if it is a checkpoint directory (SpecterError otherwise).
+- ``check_weights_format(path, allow_pickle)``: safetensors files checked (``check_safetensors``),
+  a shard the safetensors index names but the directory lacks refused naming it, pickle refused
+  unless allowed.
 - ``load_model(path, dtype=..., device=..., allow_pickle=False, trust_remote_code=False,
   keep_experts_on_host=False)`` loads with ``transformers.AutoModelForCausalLM`` from safetensors
   only (a pickle ``.bin`` checkpoint is refused unless ``allow_pickle``). With
@@ -11,7 +14,8 @@ Contract:
   placeholders, and only then is the rest (dense weights) moved to the device: the experts never
   all reach the device. With ``experts_on_disk`` as well, the routed experts are never loaded
   (``specter.model.disk_load``): they are read from the checkpoint's safetensors by the disk tier,
-  so a model whose experts do not fit in RAM loads in the memory of its dense weights.
+  so a model whose experts do not fit in RAM loads in the memory of its dense weights; a pickle
+  checkpoint (``allow_pickle``) has no byte ranges to read and is refused for it.
   Engines of one process share the store of one checkpoint: while a store built from the same
   safetensors files (path, sizes, modification times), dtype and pinning is alive, the next
   ``keep_experts_on_host`` load reuses it and loads the model without its experts
@@ -53,9 +57,16 @@ def checkpoint_dir(path: Path) -> Path:
 
 
 def check_weights_format(path: Path, allow_pickle: bool) -> bool:
-    """True when the checkpoint has safetensors (each checked by ``check_safetensors``); raises if
-    it has only pickle files and pickle is not allowed."""
+    """True when the checkpoint has safetensors (each checked by ``check_safetensors``, and every
+    shard its ``model.safetensors.index.json`` names present); raises if it has only pickle files
+    and pickle is not allowed."""
+    from specter.memory.disk import INDEX_NAME, indexed_shards
+
     files = sorted(path.glob("*.safetensors"))
+    for shard in indexed_shards(path) or []:
+        if not shard.is_file():
+            raise SpecterError(f"model: shard {shard.name} named by {path / INDEX_NAME} is missing; "
+                               "re-download the checkpoint (every shard the index names)")
     if files:
         for file in files:
             check_safetensors(file)
@@ -160,6 +171,10 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     use_safetensors = check_weights_format(path, allow_pickle)
+    if keep_experts_on_host and experts_on_disk and not use_safetensors:
+        raise SpecterError(f"offload.experts_on: disk reads the experts from the checkpoint's safetensors files, but "
+                           f"{path} holds only pickle (.bin) weights; convert it to safetensors or use "
+                           "offload.experts_on: host")
     if keep_experts_on_host and experts_on_disk:
         from specter.model.disk_load import load_without_experts
 

@@ -174,3 +174,21 @@ def test_loading_shows_no_weight_loading_bar_unless_verbose(checkpoint, capfd, m
     engine.close()
     assert "Loading weights" not in capfd.readouterr().err  # the CLI is quiet about third-party chatter
     assert transformers_logging.is_progress_bar_enabled()  # restored afterwards
+
+
+def test_an_offload_folder_removed_while_the_engine_lives_is_one_line_naming_it(checkpoint):
+    """A temp-directory cleaner (or a user) removing accelerate's offload folder mid-run: the next
+    forward cannot read the offloaded experts; that is a SpecterError naming the folder, not a
+    FileNotFoundError traceback from inside accelerate."""
+    import shutil
+
+    engine = specter.load(recipe(checkpoint, "hf-offload", 0.25))
+    try:
+        folder = engine.offload_folder
+        shutil.rmtree(folder)
+        with pytest.raises(SpecterError, match=r"^engine: hf-offload: accelerate could not read its offloaded "
+                                               rf"weights \(offload folder {folder}\): FileNotFoundError") as info:
+            engine.generate(PROMPTS)
+        assert "\n" not in str(info.value)
+    finally:
+        engine.close()

@@ -142,7 +142,9 @@ def test_dropping_pages_advises_each_modules_own_files_after_its_forward(tmp_pat
     assert reads.mode == "memory-mapped, pages dropped after each read"
     assert reads.describe()["io"] == "memory-mapped, pages dropped after each read"
     assert sorted(reads._fds) == [own, shared]  # the shared file is opened once
-    assert not advised  # nothing before a forward
+    # at install each file is dropped once (after its flush: test_install_flushes_...), then after forwards
+    assert sorted(entry[0] for entry in advised) == sorted([shared.stat().st_ino, own.stat().st_ino])
+    advised.clear()
     model(torch.ones(1, 2))
     dontneed = os.POSIX_FADV_DONTNEED
     shared_ino, own_ino = shared.stat().st_ino, own.stat().st_ino
@@ -191,6 +193,30 @@ def test_real_disk_offload_forward_is_timed_and_its_dat_files_dropped(tmp_path: 
     assert sorted(path.name for path in reads._fds) == ["0.bias.dat", "0.weight.dat", "1.bias.dat", "1.weight.dat"]
     assert torch.equal(model(torch.ones(1, 4)), expected)
     inodes = {path.name: path.stat().st_ino for path in tmp_path.glob("*.dat")}
+    assert sorted(advised[:4]) == sorted(inodes.values())  # at install: every file dropped once
+    del advised[:4]
     assert advised == [inodes["0.bias.dat"], inodes["0.weight.dat"], inodes["1.bias.dat"], inodes["1.weight.dat"]]
     assert reads.wait_s > 0
     reads.close()
+
+
+def test_install_flushes_each_file_before_dropping_it_so_the_first_forward_reads_the_disk(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """transformers has just written the offload folder: its pages are dirty, and DONTNEED leaves
+    dirty pages cached, so the first forwards were served from memory (a 4-layer model's first
+    forward read 0 of 604 MB). Each file is flushed, then dropped, once, at install."""
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"z" * 16)
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0]._hf_hook = offload_hook("0.", {"0.weight": {"safetensors_file": str(weights)}})
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", os.fstat(fd).st_ino)))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append(
+        ("drop" if advice == os.POSIX_FADV_DONTNEED else "other", os.fstat(fd).st_ino)), raising=False)
+    reads = OffloadReads.install(model, drop_pages=True)
+    inode = weights.stat().st_ino
+    assert calls == [("fsync", inode), ("drop", inode)]
+    calls.clear()
+    OffloadReads.install(nn.Sequential(nn.Linear(2, 2)), drop_pages=True).close()  # no offloaded module: nothing
+    reads.close()
+    assert calls == []

@@ -254,3 +254,27 @@ def test_three_tiers_on_cuda_equal_resident(tiny_mixtral, engine):
         loaded.close()
     assert result.token_ids == reference
     assert result.report["link"]["kind"] == "cuda" and result.report["link"]["host_tier"]["disk_reads"] > 0
+
+
+def test_a_staged_read_that_failed_is_not_counted_as_used(disk, monkeypatch):
+    """A staged read that failed left its key marked staged-and-unused, so the expert's later copy
+    (read afresh) was counted in ``staged_used`` as if the staging had served it."""
+    import concurrent.futures
+
+    tier = HostTierLink(LocalLink(copy_thread=False), capacity=2, policy=LRUPolicy())
+
+    def broken(self, dst):
+        raise SpecterError("disk tier: short read (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DiskSource, "read_into", broken)
+        tier.stage(DiskSource(disk, 1, 6))
+        staged = tier._reading.get((1, 6))
+        if staged is not None:
+            concurrent.futures.wait([staged])
+    dst = slot(disk)
+    tier.submit(dst, DiskSource(disk, 1, 6), 0).wait()
+    assert_holds(dst, disk, 1, 6)
+    stats = tier.describe()["host_tier"]
+    assert stats["staged"] == 1 and stats["staged_used"] == 0 and stats["disk_reads"] == 2
+    tier.close()
