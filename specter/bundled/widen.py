@@ -12,7 +12,9 @@ Contract:
   built once into the user's cache directory (``$SPECTER_CACHE_DIR``, else
   ``$XDG_CACHE_HOME/specter``, else ``~/.cache/specter``) with a progress bar on a terminal,
   and reused afterwards. The directory name carries a hash of the source checkpoint, so a
-  rebuilt bundled model is widened again.
+  rebuilt bundled model is widened again. The folder and its files are readable by every user
+  (a shared cache); a cache directory that cannot be written is a ``SpecterError`` naming it and
+  ``SPECTER_CACHE_DIR``.
 Only the Mixtral per-expert checkpoint layout (``...experts.N.w1/w2/w3.weight``) is handled.
 """
 
@@ -25,6 +27,8 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+
+from specter.errors import SpecterError
 
 WIDE_NAME = re.compile(r"tiny-moe-x([0-9]+)")
 MAX_FACTOR = 64
@@ -90,6 +94,7 @@ def widen_checkpoint(source: Path, out: Path, factor: int, progress: bool | None
             if (source / file_name).exists():
                 shutil.copy2(source / file_name, staging / file_name)
         (staging / "MODEL_CARD.md").write_text(model_card(factor, config))
+        _readable_by_all(staging)  # mkdtemp's folder is the owner's alone; a cache may be shared
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -107,7 +112,17 @@ def materialize(factor: int, root: Path | None = None, progress: bool | None = N
     out = (root or cache_root()) / f"tiny-moe-x{factor}-{digest}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    return widen_checkpoint(source, out, factor, progress)
+    try:
+        return widen_checkpoint(source, out, factor, progress)
+    except OSError as error:
+        raise SpecterError(f"model: bundled:tiny-moe-x{factor} is built once into {out.parent}, which cannot be "
+                           f"written ({error.strerror or error}); set SPECTER_CACHE_DIR to a writable folder") from None
+
+
+def _readable_by_all(folder: Path) -> None:
+    folder.chmod(0o755)
+    for file in folder.iterdir():
+        file.chmod(0o644)
 
 
 def model_card(factor: int, config: dict) -> str:

@@ -11,7 +11,7 @@ import torch
 import specter
 from specter.bundled import bundled_path, is_bundled
 from specter.bundled.widen import parse_factor, widen_tensor
-from specter.errors import RecipeError
+from specter.errors import RecipeError, SpecterError
 from specter.config import load_recipe
 
 FACTOR = 2  # small so the test stays fast; the function is preserved for any power of two
@@ -74,3 +74,17 @@ def test_validation_does_not_build_the_model(tmp_path, monkeypatch):
     assert is_bundled("tiny-moe-x16") and not is_bundled("tiny-moe-y")
     load_recipe({"model": "bundled:tiny-moe-x16"})
     assert not any(tmp_path.iterdir())
+
+
+def test_the_widened_folder_is_readable_by_every_user(widened):
+    assert widened.stat().st_mode & 0o777 == 0o755  # tempfile.mkdtemp made it the owner's alone
+    assert {f.stat().st_mode & 0o777 for f in widened.iterdir()} == {0o644}
+
+
+def test_a_cache_directory_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECTER_CACHE_DIR", str(blocker / "cache"))  # a folder under a file: mkdir fails
+    with pytest.raises(SpecterError, match=r"bundled:tiny-moe-x2 is built once into .*a-file/cache, which "
+                                                   r"cannot be written .*set SPECTER_CACHE_DIR to a writable folder"):
+        bundled_path(f"tiny-moe-x{FACTOR}")
