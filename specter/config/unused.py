@@ -13,9 +13,10 @@ Keys a built-in engine ignores: every ``offload`` and ``speculation`` key for ``
 ``speculation`` for ``ondemand``, ``router-lookahead`` and ``hf-offload``; for ``hf-offload``
 also the link, cache policy, prefetch, host tier, pinning, timeout and copy checks (accelerate
 places and moves its weights); ``offload.link.gbps`` / ``latency_us`` where the link is not
-emulated (``auto`` on a CPU is). ``under(key, prefixes)``: whether a dotted key is one of the
-prefixes or inside one. ``leaves(raw, prefix="")``: the dotted keys of a raw recipe mapping's
-settings, as ``override_keys`` counts them.
+emulated (``auto`` on a CPU is); ``offload.direct_io`` unless ``offload.experts_on`` is ``disk``.
+``under(key, prefixes)``: whether a dotted key is one of the prefixes or inside one.
+``leaves(raw, prefix="")``: the dotted keys of a raw recipe mapping's settings, as
+``override_keys`` counts them.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def unused_settings(recipe, given: Iterable[str]) -> list[tuple[str, str]]:
             reason = f"engine {engine} does not speculate"
         elif engine == "hf-offload" and under(key, ("offload",)) and not under(key, HF_OFFLOAD_READS):
             reason = "engine hf-offload leaves placing and moving weights to accelerate"
+        elif key == "offload.direct_io" and recipe.offload.experts_on != "disk":
+            reason = ("only the disk tier reads the checkpoint while decoding; offload.experts_on is "
+                      f"{recipe.offload.experts_on}")
         elif key in PACED_ONLY and engine in ("ondemand", "router-lookahead", "specter") \
                 and recipe.offload.link.kind in ("local", "cuda", "disk"):
             reason = f"only the emulated link is paced; this one is {recipe.offload.link.kind}"

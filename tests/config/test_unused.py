@@ -29,7 +29,7 @@ def test_override_keys_are_the_keys_set_and_a_mappings_leaves() -> None:
     ("specter", ["offload.expert_budget", "speculation.governor.k", "offload.link.gbps"], []),
     ("hf-offload", ["offload.expert_budget", "offload.experts_on", "offload.direct_io", "offload.link.kind",
                     "offload.cache_policy.name", "speculation.governor.k"],
-     ["offload.cache_policy.name", "offload.link.kind", "speculation.governor.k"]),
+     ["offload.cache_policy.name", "offload.direct_io", "offload.link.kind", "speculation.governor.k"]),
 ])
 def test_each_built_in_engine_flags_only_what_it_never_reads(engine, keys, unused) -> None:
     recipe = load_recipe({"engine": engine})
@@ -43,6 +43,13 @@ def test_pacing_keys_count_only_for_the_emulated_link() -> None:
     for kind, flagged in (("local", keys), ("emulated", []), ("auto", [])):
         recipe = load_recipe({"engine": "ondemand", "offload": {"link": {"kind": kind}}})
         assert [key for key, _ in unused_settings(recipe, keys)] == flagged, kind
+
+
+@pytest.mark.parametrize("engine", ["ondemand", "router-lookahead", "specter", "hf-offload"])
+def test_direct_io_counts_only_for_experts_on_disk(engine) -> None:
+    for experts_on, flagged in (("host", ["offload.direct_io"]), ("disk", [])):
+        recipe = load_recipe({"engine": engine, "offload": {"experts_on": experts_on}})
+        assert [key for key, _ in unused_settings(recipe, ["offload.direct_io"])] == flagged, experts_on
 
 
 def test_an_engine_that_is_not_built_in_may_read_any_key() -> None:
