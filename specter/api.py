@@ -180,6 +180,10 @@ def offload(
                            f"{{'kind': 'emulated', 'gbps': 5.0}}, got {type(link).__name__} {bounded_repr(link)}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     link_spec = {"kind": link} if isinstance(link, str) else dict(link)
+    if link_spec.get("kind") == "disk":  # make_link's own message speaks of recipe keys offload() has not
+        raise SpecterError("link: 'disk' reads experts from a checkpoint on disk, for recipes with "
+                           "offload.experts_on: disk (specter.load); offload() copies from host memory: use "
+                           "auto, local, emulated or cuda")
     recipe = load_recipe({"offload": {"expert_budget": expert_budget, "link": link_spec,
                                       "cache_policy": {"name": cache_policy}}})
     # validate everything before the model is touched: a refused offload leaves it as it was

@@ -100,6 +100,8 @@ def test_offload_with_an_emulated_link_and_another_policy():
     ({"expert_budget": 0.01}, BudgetError, "offload.expert_budget"),
     ({"cache_policy": "nope"}, UnknownPluginError, "nope"),
     ({"link": "nope"}, UnknownPluginError, "nope"),
+    ({"link": {"kind": "disk"}}, SpecterError, r"^link: 'disk' reads experts from a checkpoint on disk.*offload\(\) "
+                                               r"copies from host memory: use auto, local, emulated or cuda$"),
 ])
 def test_a_refused_offload_leaves_the_model_untouched(kwargs, error, match):
     model = random_model("mixtral", seed=0)
