@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specter.config import Recipe, load_recipe, recipe_keys
+from specter.config.loading import yaml_value
 from specter.config.schema import display_key
 from specter.errors import SpecterError
 
@@ -130,7 +131,7 @@ def test_fuzz_yaml_text(fuzz_dir, text):
     path = fuzz_dir / "fuzz.yaml"
     path.write_text(text, encoding="utf-8")
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml_value(text)  # what load_recipe reads the file with
     except yaml.YAMLError:
         raw = None
     try:
