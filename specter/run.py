@@ -78,14 +78,17 @@ def main(argv: list[str] | None = None) -> int:
             print("error: a recipe file is required (try recipes/quickstart.yaml)", file=sys.stderr)
             return EXIT_USAGE
         from specter.config import load_recipe
+        from specter.interrupts import deferred
 
-        recipe = load_recipe(args.recipe, args.overrides)  # validate before the heavy imports
+        with deferred():  # the plugin registry imports torch
+            recipe = load_recipe(args.recipe, args.overrides)  # validate before the heavy imports
         from specter.config.unused import override_keys, unused_settings
 
         for key, reason in unused_settings(recipe, override_keys(args.overrides)):
             print(f"warning: {key} has no effect: {reason}", file=sys.stderr)
-        from specter.api import run_recipe
-        from specter.report.schema import format_summary
+        with deferred():
+            from specter.api import run_recipe
+            from specter.report.schema import format_summary
 
         if args.probe is not None:
             from specter.bench.probe import probe_recipe, probe_texts
@@ -148,10 +151,15 @@ def check_writable(path: Path) -> None:
 
 def entry_point() -> int:
     try:
-        return main()
+        code = main()
     except BrokenPipeError:  # e.g. `--explain | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    if code == 130:
+        from specter.interrupts import exit_interrupted
+
+        exit_interrupted(code)  # CPython could still end the process by SIGINT (status -2)
+    return code
 
 
 if __name__ == "__main__":

@@ -115,8 +115,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run(argv: list[str]) -> int:
     args = parse_args(argv)
-    from specter.bench.spec import load_bench
-    from specter.errors import SpecterError
+    from specter.interrupts import deferred
+
+    with deferred():  # torch, transformers: an interrupt inside an import leaves them half-initialised
+        from specter.bench.spec import load_bench
+        from specter.bench.sweep import run_bench
+        from specter.bench.tables import markdown
+        from specter.errors import SpecterError
 
     sweep = {key: getattr(args, key) for key in ("engines", "budgets", "k", "governors", "compile", "repeats", "twins")
              if getattr(args, key) is not None}
@@ -131,9 +136,6 @@ def run(argv: list[str]) -> int:
     except SpecterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from specter.bench.sweep import run_bench
-    from specter.bench.tables import markdown
-
     command = "python -m specter.bench " + " ".join(shlex.quote(a) for a in argv)
     try:
         document = run_bench(spec, command)
@@ -218,4 +220,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 130:
+        from specter.interrupts import exit_interrupted
+
+        exit_interrupted(code)  # CPython could still end the process by SIGINT (status -2)
+    sys.exit(code)
