@@ -4,6 +4,8 @@ decides at shutdown.
 Contract:
 - ``deferred()``: a context manager that holds SIGINT (blocked in the main thread, pending) for
   its block and lets it through at the end, where Python raises ``KeyboardInterrupt`` as usual.
+  The block is the main thread's: Ctrl-C (sent to the process) waits only where no other thread
+  leaves SIGINT open, as at a CLI's start (threads started inside the block inherit the hold).
   For the heavy imports (torch, transformers, numpy): an interrupt in the middle of one leaves a
   module half-initialised in ``sys.modules``, and its next use fails with an unrelated error
   (numpy's ``__getattr__`` recursing until ``RecursionError``: exit 1 and a long traceback, seen
