@@ -77,12 +77,15 @@ class GenerationMetrics:
 
     @property
     def acceptance_rate(self) -> float | None:
+        """Drafted tokens the target accepted, of all drafted: the draft's agreement (those
+        accepted past an EOS that ends the generation count, though never emitted)."""
         return self.accepted / self.drafted if self.drafted else None
 
     @property
     def mean_accepted_per_step(self) -> float | None:
-        """Tokens emitted per verification (accepted drafts + the recovered/bonus token)."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else None
+        """Tokens emitted per verification (accepted drafts + the recovered/bonus token, cut where
+        an EOS ends the generation): every decode step of a speculative engine is one round."""
+        return self.decode_tokens / self.rounds if self.rounds else None
 
     @property
     def mean_k(self) -> float | None:

@@ -277,3 +277,19 @@ def test_an_exception_inside_a_round_leaves_no_round_open(engine_name, method, z
         assert result.report["cache"]["prefill"]["prefetch_issued"] == 0
     finally:
         engine.close()
+
+
+def test_an_eos_inside_a_round_ends_the_tokens_and_the_tokens_per_round_there(zoo_checkpoints, resident):
+    """The target accepts drafts past an EOS that ends the generation; they are never emitted,
+    and the report's tokens per verification counts the tokens emitted (it counted them)."""
+    tokens = resident["mixtral"][1]
+    stop = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # first occurrence
+    engine = specter.load(recipe(zoo_checkpoints["mixtral"], "specter", k=6))
+    try:
+        engine.eos_token_id = tokens[stop]
+        report = engine.generate([PROMPTS[1]]).report
+    finally:
+        engine.close()
+    assert report["outputs"][0]["token_ids"] == tokens[: stop + 1]
+    rounds = sum(report["k"]["histogram"].values())
+    assert report["mean_accepted_per_step"] == pytest.approx(stop / rounds)  # prefill's token is not a round's

@@ -50,3 +50,13 @@ def test_kernels_pool_only_where_every_run_measured_them():
 def test_runs_without_rounds_pool_to_nothing():
     assert pool_phases([None, GenerationMetrics().phase_report(2)], 2) is None
     assert pool_phases([], 2) is None
+
+
+def test_tokens_per_verification_are_the_tokens_emitted_not_the_drafts_accepted():
+    metrics = GenerationMetrics()
+    metrics.observe_draft(4, 4)  # the target accepted all four drafts ...
+    metrics.observe_decode_step(2, 0.01)  # ... but an EOS in the second ended the generation
+    metrics.observe_draft(4, 1)
+    metrics.observe_decode_step(2, 0.01)
+    assert metrics.acceptance_rate == pytest.approx(5 / 8)  # the draft's agreement counts all four
+    assert metrics.mean_accepted_per_step == pytest.approx(2.0)  # it was 3.5: 5 accepted + 2 rounds
