@@ -11,11 +11,13 @@ Contract:
   (numpy's ``__getattr__`` recursing until ``RecursionError``: exit 1 and a long traceback, seen
   in 2 of 25 interrupts 0.3-4 s after start). Outside the main thread, or where the platform has
   no ``pthread_sigmask``, it does nothing.
-- ``exit_interrupted(code=130)``: flushes stdout and stderr and ends the process with ``code`` at
-  once. CPython ends a process whose ``KeyboardInterrupt`` it judged unhandled by SIGINT itself at
-  shutdown, whatever status the program gave; an interrupt that passed through code an extension
-  ran with ``PyRun_*`` is judged so although the CLI caught it (status -2 in 2 of 25 interrupts
-  during the model load). Call it only where nothing remains to be done but exiting.
+- ``exit_status(code) -> int``: a CLI's exit status on its way out: ``code`` itself, except an
+  interrupted run's 130, for which ``exit_interrupted(130)`` runs. ``exit_interrupted(code=130)``:
+  flushes stdout and stderr and ends the process with ``code`` at once. CPython ends a process
+  whose ``KeyboardInterrupt`` it judged unhandled by SIGINT itself at shutdown, whatever status
+  the program gave; an interrupt that passed through code an extension ran with ``PyRun_*`` is
+  judged so although the CLI caught it (status -2 in 2 of 25 interrupts during the model load).
+  Call it only where nothing remains to be done but exiting.
 """
 
 from __future__ import annotations
@@ -45,3 +47,9 @@ def exit_interrupted(code: int = 130) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def exit_status(code: int) -> int:
+    if code == 130:
+        exit_interrupted(code)  # CPython could still end the process by SIGINT (status -2)
+    return code

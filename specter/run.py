@@ -155,11 +155,9 @@ def entry_point() -> int:
     except BrokenPipeError:  # e.g. `--explain | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    if code == 130:
-        from specter.interrupts import exit_interrupted
+    from specter.interrupts import exit_status
 
-        exit_interrupted(code)  # CPython could still end the process by SIGINT (status -2)
-    return code
+    return exit_status(code)
 
 
 if __name__ == "__main__":

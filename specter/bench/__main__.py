@@ -55,33 +55,30 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,4, got {text!r}") from None
 
 
-def _budgets(text: str) -> list:
-    """Comma-separated budgets, each read as YAML as recipe files are (``0.25``, ``1e-1``,
-    ``2MiB``, ``{per_layer: 8}``)."""
+def _yaml_option(text: str, expected: str, items: bool = False) -> object:
+    """An option's value read as recipe files are (``config.loading.yaml_value``: ``1e-1`` a
+    float, a key given twice refused), with ``items`` as a list of comma-separated values;
+    ``expected`` says what a value that is not YAML should be."""
     import yaml
 
     from specter.config.loading import yaml_value
 
     try:
-        return list(yaml_value(f"[{text}]"))
-    except yaml.YAMLError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated budgets such as 0.25,0.5 or '{{per_layer: 8}},2MiB', got {text!r}") from None
+        return yaml_value(f"[{text}]" if items else text)
+    except yaml.YAMLError as error:
+        problem = " ".join(str(getattr(error, "problem", None) or error).split())
+        raise argparse.ArgumentTypeError(f"expected {expected} ({problem}), got {text!r}") from None
+
+
+def _budgets(text: str) -> list:
+    """Comma-separated budgets, each as in a recipe (``0.25``, ``1e-1``, ``2MiB``, ``{per_layer: 8}``)."""
+    return list(_yaml_option(text, "comma-separated budgets such as 0.25,0.5 or '{per_layer: 8},2MiB'", items=True))
 
 
 def _links(text: str) -> object:
-    """A mapping of link names to ``offload.link`` settings, JSON or YAML flow, read as recipe
-    files are (a name given twice is refused); its contents are checked by ``load_bench``."""
-    import yaml
-
-    from specter.config.loading import yaml_value
-
-    try:
-        return yaml_value(text)
-    except yaml.YAMLError as error:
-        problem = " ".join(str(getattr(error, "problem", None) or error).split())
-        raise argparse.ArgumentTypeError(
-            f"expected a mapping such as '{{\"local\": {{\"kind\": \"local\"}}}}' ({problem}), got {text!r}") from None
+    """A mapping of link names to ``offload.link`` settings, JSON or YAML flow (a name given twice
+    is refused); its contents are checked by ``load_bench``."""
+    return _yaml_option(text, "a mapping such as '{\"local\": {\"kind\": \"local\"}}'")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -98,12 +95,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budgets", type=_budgets,
                         help="comma-separated expert budgets (replaces sweep.budgets), each a fraction (0.25, 1e-1), "
                              "{per_layer: N}, {experts: N} or a byte size (2MiB)")
-    parser.add_argument("--k", type=_ints, help="comma-separated fixed k values, one specter row each (replaces sweep.k)")
+    parser.add_argument("--k", type=_ints,
+                        help="comma-separated fixed k values, one specter row each (replaces sweep.k)")
     parser.add_argument("--governors", type=_csv,
                         help="comma-separated governors, one specter row each (replaces sweep.governors)")
     parser.add_argument("--compile", type=_bools, help="eager, compiled or eager,compiled (replaces sweep.compile)")
-    parser.add_argument("--links", type=_links, help="JSON (or YAML) mapping of link names to offload.link settings (replaces sweep.links), "
-                        "e.g. '{\"local\": {\"kind\": \"local\"}}'")
+    parser.add_argument("--links", type=_links,
+                        help="JSON (or YAML) mapping of link names to offload.link settings (replaces sweep.links), "
+                             "e.g. '{\"local\": {\"kind\": \"local\"}}'")
     parser.add_argument("--repeats", type=int, help="timed runs of every engine in every cell (replaces sweep.repeats)")
     parser.add_argument("--twins", type=_csv, help="comma-separated row labels run twice as identical engines "
                         "(A/A: the run's noise floor), e.g. 'specter k=4'; '' for none. Twins of rows that "
@@ -220,9 +219,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if code == 130:
-        from specter.interrupts import exit_interrupted
+    from specter.interrupts import exit_status
 
-        exit_interrupted(code)  # CPython could still end the process by SIGINT (status -2)
-    sys.exit(code)
+    sys.exit(exit_status(main()))
