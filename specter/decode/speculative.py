@@ -124,17 +124,13 @@ class PrefetchingEngine(OffloadedEngine):
         keys = torch.cat([layer * self._expert_stride + index.reshape(-1) for layer, index in self._routing])
         return {divmod(key, self._expert_stride) for key in keys.unique().tolist()}
 
-    round_open = False  # between begin_round and end_round
-
     def begin_round(self, drafting: bool = False) -> None:
         """``drafting``: a draft runs before verification (the scheduler holds the last round's
         experts until its flush)."""
         self._routing = []
         self.scheduler.begin_round(hold_last_read=drafting)
-        self.round_open = True
 
     def end_round(self, used: set[tuple[int, int]] | None = None) -> None:
-        self.round_open = False
         self.scheduler.end_round(self.used_experts() if used is None else used)
 
     def decode_round(self, token: int, kv, generator, metrics, remaining: int, context: list[int]) -> list[int]:
@@ -154,10 +150,9 @@ class PrefetchingEngine(OffloadedEngine):
         """End the round an exception cut short, as ``end_round`` ends one (the experts it read so
         far as used), and lift every protection: left open, its predictions stayed protected and
         the next prompt's prefill, whose layers advance the scheduler, streamed them in."""
-        if self.round_open:
+        if self.scheduler.in_round:
             with contextlib.suppress(Exception):  # the exception that cut the round is the one to see
                 self.end_round()
-            self.round_open = False
         self.cache.unprotect_all()
 
     def reset_counters(self) -> None:

@@ -46,7 +46,7 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    predictions are complete and only the window is protected.
 ``end_round(used)`` compares what was predicted with what the target used, counts the
 predictions not in the cache when their layer was reached (``not_admitted``), then lifts the
-protection. The cache policy also receives the round's predictions still ahead (the window's
+protection; ``in_round`` says whether a round is open. The cache policy also receives the round's predictions still ahead (the window's
 and those after it) as hints, in need order.
 """
 
@@ -110,6 +110,11 @@ class PrefetchScheduler:
         self.issue_s = 0.0  # seconds spent issuing prefetches (a synchronous link copies here)
         self._last_read: set[ExpertKey] = set()  # what the previous round's verification read
         self._holding = False  # the last round's reads are protected (a draft is running: point 7)
+
+    @property
+    def in_round(self) -> bool:
+        """Between ``begin_round`` and ``end_round``."""
+        return self._active
 
     def begin_round(self, hold_last_read: bool = False) -> None:
         self._holding = hold_last_read and not self.conservative and bool(self._last_read)

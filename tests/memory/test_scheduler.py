@@ -25,7 +25,9 @@ def test_phase1_cached_predictions_are_protected_counted_and_not_fetched() -> No
     cache, link = make_cache(n_slots=4)
     cache.preload([(0, 1)])
     scheduler = PrefetchScheduler(cache, max_in_flight=4)
+    assert not scheduler.in_round
     scheduler.begin_round()
+    assert scheduler.in_round
     scheduler.add(0, [1, 2], [0.9, 0.5])
     assert scheduler.stats.cached_at_prediction == 1
     assert {(0, 1), (0, 2)} <= cache.protected_keys()
