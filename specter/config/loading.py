@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -41,7 +42,9 @@ def load_recipe(
 
     Override values are parsed as YAML (``yaml_value``: ``0.25`` and ``1e-1`` are floats, ``true`` a bool,
     ``[a, b]`` a list, ``2GiB`` a string, an empty value or ``null`` None; a value YAML would read
-    as a comment alone, ``# TODO``, stays that text); keys under an ``options`` mapping are free-form. With
+    as a comment alone, ``# TODO``, stays that text), except that a key taking only text (``prompt``,
+    ``model``, ``offload.link.kind``, ...) keeps what was typed: ``prompt=1e5`` is the text ``1e5``;
+    keys under an ``options`` mapping are free-form. With
     ``check_plugins`` the names of the plugins the engine uses must be registered. ``source_dir``
     is where relative paths of a mapping source are looked up (after the current directory).
     """
@@ -156,6 +159,16 @@ def _read_yaml(path: Path) -> Any:
         raise _error("recipe", f"{where}: invalid YAML: {' '.join(str(problem).split())}") from None
 
 
+def _takes_only_text(hint: Any) -> bool:
+    """Whether a schema field takes text and nothing else but null (``str``, ``str | None``): an
+    override of it keeps the text as typed, so ``prompt=1e5`` or ``prompt=yes`` is that text, not
+    the number or bool YAML would read."""
+    if hint is str:
+        return True
+    args = typing.get_args(hint)
+    return bool(args) and str in args and all(a in (str, type(None)) for a in args)
+
+
 def _apply_override(raw: dict[str, Any], item: object) -> None:
     """Set ``dotted.key=value`` in the raw recipe mapping, checking the key against the schema."""
     if not isinstance(item, str) or "=" not in item:
@@ -192,7 +205,7 @@ def _apply_override(raw: dict[str, Any], item: object) -> None:
                 )
             hint = _hints(section)[part]
         if last:
-            node[part] = value
+            node[part] = text.strip() if _takes_only_text(hint) and value is not None and not isinstance(value, str) else value
             return
         if section is not None and isinstance(hint, type) and issubclass(hint, _Section):
             next_section: type | None = hint

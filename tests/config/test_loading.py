@@ -259,3 +259,24 @@ def test_a_budget_written_with_an_exponent_loads_from_a_file_and_an_override(tmp
     recipe.write_text("offload:\n  expert_budget: 1e-1\n")
     assert load_recipe(recipe).offload.expert_budget.value == pytest.approx(0.1)
     assert load_recipe({}, ["offload.expert_budget=25e-2"]).offload.expert_budget.value == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("prompt=1e5", "prompt", "1e5"),  # YAML alone: the float 100000.0, refused as a prompt
+    ("prompt=yes", "prompt", "yes"),
+    ("prompt=42", "prompt", "42"),
+    ("prompt=[a, b]", "prompt", "[a, b]"),
+    ("prompt='quoted'", "prompt", "quoted"),
+    ("prompt=null", "prompt", None),
+    ("offload.cache_policy.name= 7 ", "offload.cache_policy.name", "7"),
+])
+def test_an_override_of_a_key_taking_only_text_keeps_the_text_as_typed(override, key, expected) -> None:
+    recipe = load_recipe({}, [override], check_plugins=False)
+    for part in key.split("."):
+        recipe = getattr(recipe, part)
+    assert recipe == expected
+
+
+def test_an_override_of_a_key_taking_numbers_still_reads_yaml() -> None:
+    recipe = load_recipe({}, ["seed=7", "sampling.temperature=1e-1", "offload.link.gbps=2"])
+    assert (recipe.seed, recipe.sampling.temperature, recipe.offload.link.gbps) == (7, 0.1, 2.0)
