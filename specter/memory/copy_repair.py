@@ -2,7 +2,7 @@
 
 Contract: ``CopyRepair(store)`` serves one cache. ``intact(dst, key)`` says whether the tensors of
 ``dst`` (a slot's views) hold expert ``key`` of the host store, by checksum (the store's computed
-once per key). ``reload(dst, key, why, verify)`` copies the expert straight from the store into
+once per key, from ``store.reference``: a disk store's read counts in no link's figures). ``reload(dst, key, why, verify)`` copies the expert straight from the store into
 ``dst``; the first reload of the cache's life that succeeds warns (``why`` says what failed;
 a reload that raises, as a disk tier's read of a truncated file does, only raises), more than
 ``MAX_RELOADS`` of them raise ``SpecterError`` (the link is broken), and with ``verify`` a reload
@@ -32,7 +32,7 @@ class CopyRepair:
 
     def intact(self, dst: dict[str, torch.Tensor], key: ExpertKey) -> bool:
         if key not in self._checksums:
-            self._checksums[key] = checksum(self.store.expert(*key))
+            self._checksums[key] = checksum(self.store.reference(*key))
         return checksum(dst) == self._checksums[key]
 
     def reload(self, dst: dict[str, torch.Tensor], key: ExpertKey, why: str, verify: bool) -> None:

@@ -7,7 +7,8 @@ Contract:
   expert's tensors that reads them from disk the first time they are looked at (so any link, even
   ``local``, copies from it), and that the ``disk`` link reads straight into a cache slot.
   ``stacked`` reads a whole layer in the store's layout (``blocked``: the disk tier's), ``standard``
-  in the standard layout (used once, to quantise the INT4 draft); both read through a
+  in the standard layout (used once, to quantise the INT4 draft), ``reference(layer, e)`` one
+  expert's tensors (what ``verify_copies`` checks a copy against); all three read through a
   ``DiskExperts.detached()`` reader, so the link's read figures count none of it.
 - ``DiskLink(workers=4, device=None)`` (plugin ``disk``): ``submit`` hands the read of a
   ``DiskSource`` into the slot to a pool of ``workers`` threads (several reads in flight, real
@@ -95,6 +96,11 @@ class DiskStore:
     @property
     def blocked(self) -> bool:
         return self.disk.blocked
+
+    def reference(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        check_key(self.layers, self._n_experts, layer, expert)
+        with self.disk.detached() as reader:
+            return reader.read(layer, expert)
 
     def stacked(self, layer: int) -> dict[str, torch.Tensor]:
         return self._read_layer(layer, self.blocked)

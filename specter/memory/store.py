@@ -3,7 +3,7 @@
 Contract: built from ``{layer_index: {param_name: stacked tensor [n_experts, ...]}}`` where layer
 indices follow the model's own numbering (they may skip dense layers). Every layer carries the same
 parameter names, per-expert shapes and dtype, else ``SpecterError``. ``expert(layer, e)`` returns
-views (no copies) of one expert's parameters. With ``pin=True`` and CUDA present, the stacked
+views (no copies) of one expert's parameters (``reference(layer, e)`` the same, for checks). With ``pin=True`` and CUDA present, the stacked
 tensors are moved to page-locked memory one at a time, so that host-to-device copies can be
 asynchronous while the peak extra RAM stays at one tensor. ``move_storage(place)`` re-homes the
 stacked tensors the same way (huge pages on a CPU device). ``blocked``: the tensors hold each
@@ -84,6 +84,11 @@ class ExpertStore:
             views = {name: stacked[expert] for name, stacked in self._layers[layer].items()}
             self._views[(layer, expert)] = views
         return dict(views)
+
+    def reference(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """The expert's tensors to check a copy against (``CopyRepair``): ``expert``'s views here; a
+        store on disk reads them where no link's figures count the read."""
+        return self.expert(layer, expert)
 
     def stacked(self, layer: int) -> dict[str, torch.Tensor]:
         """The stacked host tensors of one layer, ``{name: [n_experts, ...]}`` (not copies)."""

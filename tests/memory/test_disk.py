@@ -190,13 +190,15 @@ def open_files_under(directory) -> list[str]:
 
 
 @pytest.mark.parametrize("tiered", [False, True])
-def test_the_link_figures_count_only_the_links_reads_not_the_drafts(sharded, monkeypatch, tiered):
-    """``specter`` quantises its draft from every expert read off the disk at load; the report's
-    disk figures of the first run counted those reads as the link's (a 3-layer model: 48 experts
-    more than the cache ever loaded)."""
-    monkeypatch.delenv("SPECTER_VERIFY_COPIES", raising=False)  # its checksums would read the disk too
+@pytest.mark.parametrize("verify_copies", [False, True])
+def test_the_link_figures_count_only_the_links_reads_not_the_drafts(sharded, monkeypatch, tiered, verify_copies):
+    """``specter`` quantises its draft from every expert read off the disk at load, and
+    ``verify_copies`` reads each expert it checks once more for its checksum; the report's disk
+    figures of the first run counted those reads as the link's (a 3-layer model: 48 experts more
+    than the cache ever loaded)."""
+    monkeypatch.delenv("SPECTER_VERIFY_COPIES", raising=False)
     tier = {"host_budget": 0.5, "link": {"kind": "local"}} if tiered else {}
-    engine = specter.load(recipe(sharded, "specter", verify_copies=False, **tier))
+    engine = specter.load(recipe(sharded, "specter", verify_copies=verify_copies, **tier))
     try:
         report = engine.generate(PROMPTS).report
         per_expert = engine.store.disk.expert_file_bytes(engine.layers[0].layer, 0)
