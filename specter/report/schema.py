@@ -5,6 +5,29 @@ key of the schema in ../shared/DESIGN.md ("Report"); a figure that does not appl
 is ``None``; beside them ``page_placement``, what settling this process's large buffers found
 (``specter.memory.page_placement.stats``). ``format_summary(report)`` renders the short table the
 CLI prints (a "slow memory swapped" row where any buffer was timed).
+
+What the keys mean (``metrics``: ``specter.report.metrics.GenerationMetrics``):
+- ``decode_tokens_per_s``: tokens emitted by decode steps (each prompt's first token, from the
+  prefill, excluded) over ``decode_s``, the time of those steps (drafting included); ``ttft_s``:
+  mean time to a prompt's first token; ``new_tokens``: every generated token.
+- ``acceptance_rate``: accepted draft tokens / drafted; ``mean_accepted_per_step``: tokens emitted
+  per round (the bonus/recovered token counted); ``k``: ``{mean, histogram}`` of drafted k per
+  round; all three None for an engine that does not speculate.
+- ``hit_rate``: of the distinct (layer, expert) keys each target step of the decode needed, the
+  fraction that needed no new transfer (already on the device, or a prefetch in flight); None
+  where the engine has no expert cache or no decode step looked one up.
+- ``prefetch_precision``: prefetched experts used before eviction / prefetched; None when nothing
+  was prefetched.
+- ``bytes_transferred``: expert bytes copied into the device cache (prefill and decode);
+  ``transfer_wait_s``: time the decode steps waited on those copies; ``io_wait_share``:
+  ``transfer_wait_s / decode_s`` (capped at 1); ``copies_per_token``: experts copied during the
+  decode per decode token.
+- ``link``: ``{kind, gbps, latency_us, emulated}`` always (None where the link does not know
+  them; ``emulated`` a bool, True only for paced figures), plus the link's own figures; None for
+  an engine without a link. ``expert_budget``: ``{experts, bytes, fraction}`` of the device cache;
+  ``device_bytes``: ``{draft, cache, dense, total}``, ``total`` the sum of the others.
+- ``lossless``: the tokens equal the ``resident`` engine's greedy tokens (set by
+  ``specter.api.run_recipe`` when checked, else None).
 """
 
 from __future__ import annotations
@@ -56,11 +79,25 @@ def model_summary(engine) -> dict:
     }
 
 
+LINK_KEYS = ("kind", "gbps", "latency_us", "emulated")
+
+
+def link_entry(described: dict | None) -> dict | None:
+    """A link's report entry with every key of ``LINK_KEYS``, first and in that order: what the
+    link's ``describe()`` left out is None (``emulated``: False, made a bool), its own figures
+    follow. None stays None (no link)."""
+    if described is None:
+        return None
+    entry = {"kind": described.get("kind"), "gbps": described.get("gbps"),
+             "latency_us": described.get("latency_us"), "emulated": bool(described.get("emulated", False))}
+    return entry | {key: value for key, value in described.items() if key not in LINK_KEYS}
+
+
 def link_summary(engine) -> dict | None:
     link = getattr(engine, "link", None)
     if link is None:
         return None
-    return link.describe()
+    return link_entry(link.describe())
 
 
 def build_report(engine, metrics, result) -> dict:
@@ -96,7 +133,11 @@ def build_report(engine, metrics, result) -> dict:
     report["decode_step_s"] = metrics.decode_s / metrics.target_steps if metrics.target_steps else None
     report["phases"] = metrics.phase_report(report["model"]["n_moe_layers"])
     report.update(engine.engine_report())
+    report["link"] = link_entry(report["link"])  # an engine's own entry (hf-offload's reads) too
     # decode-phase figures: transfer_wait_s, hit_rate and copies count the decode steps only
+    looked_up = ((report.get("cache") or {}).get("decode") or {}).get("acquired_keys")
+    if metrics.target_steps == 0 or looked_up == 0:
+        report["hit_rate"] = None  # no decode step needed an expert: a rate of nothing, not 0
     if report["transfer_wait_s"] is not None and metrics.decode_s > 0:
         report["io_wait_share"] = min(1.0, report["transfer_wait_s"] / metrics.decode_s)
     if report.get("decode_bytes_transferred") is not None and metrics.decode_tokens:
@@ -128,10 +169,12 @@ def _governor_text(governor: dict | None) -> str:
 def format_summary(report: dict) -> str:
     budget = report.get("expert_budget") or {}
     link = report.get("link") or {}
-    link_text = "-" if not link else (
-        f"{link['kind']} {link['gbps']} GB/s {link['latency_us']} us" + (" (emulated)" if link.get("emulated") else "")
-        if link.get("gbps") is not None else link["kind"]
-    )
+    link_text = "-" if not link else " ".join(part for part in (
+        link["kind"],
+        None if link.get("gbps") is None else f"{link['gbps']} GB/s",
+        None if link.get("gbps") is None or link.get("latency_us") is None else f"{link['latency_us']} us",
+        "(emulated)" if link.get("emulated") else None,
+    ) if part)
     rows = [
         ("engine", report["engine"]),
         ("model", f"{report['model']['arch']} ({report['model']['n_moe_layers']} MoE layers x "
@@ -143,9 +186,11 @@ def format_summary(report: dict) -> str:
         ("expert budget", "-" if not budget else f"{budget['experts']} experts, {budget['bytes']:,} bytes, "
                                                  f"{budget['fraction']:.0%}"),
         ("link", link_text),
-        ("hit rate", _fmt(report["hit_rate"])),
-        ("transfer wait / share of time", f"{_fmt(report['transfer_wait_s'])} s / {_fmt(report['io_wait_share'])}"),
-        ("copies per token", _fmt(report["copies_per_token"])),
+        ("hit rate (decode)", _fmt(report["hit_rate"])),
+        ("transfer wait / share of decode time",
+         "-" if report["transfer_wait_s"] is None else
+         f"{_fmt(report['transfer_wait_s'])} s / {_fmt(report['io_wait_share'])}"),
+        ("expert copies per decode token", _fmt(report["copies_per_token"])),
         ("acceptance / tokens per step / mean k", f"{_fmt(report['acceptance_rate'])} / "
                                                   f"{_fmt(report['mean_accepted_per_step'])} / "
                                                   f"{_fmt((report['k'] or {}).get('mean'))}"),

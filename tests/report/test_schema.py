@@ -153,3 +153,67 @@ def test_the_summary_counts_slow_memory_only_where_the_process_timed_any(model):
     assert any(line.startswith("slow memory swapped") and line.rstrip().endswith(expected) for line in lines)
     none_slow = dict(report, page_placement={"regions": 9, "pieces": 120, "slow": 0, "swapped": 0})
     assert "none slow of 120 8 MiB pieces timed" in format_summary(none_slow)
+
+
+def test_every_link_entry_carries_the_design_keys(model):
+    """DESIGN's ``link`` is {kind, gbps, latency_us, emulated: bool}: a link (or an engine's own
+    entry, as hf-offload's reads) that leaves some out gets them as None (``emulated`` False)."""
+    reads = {"kind": "accelerate-disk-offload", "io": "O_DIRECT", "bytes_read": 0}
+    report = build_report(StandIn(model, {"link": reads}), speculative_metrics(), RESULT)
+    assert report["link"] == {"kind": "accelerate-disk-offload", "gbps": None, "latency_us": None, "emulated": False,
+                              "io": "O_DIRECT", "bytes_read": 0}
+    assert list(report["link"])[:4] == ["kind", "gbps", "latency_us", "emulated"]
+    terse = SimpleNamespace(describe=lambda: {"kind": "plugin-link", "gbps": 3.0, "emulated": 1, "transfers": 7})
+    report = build_report(StandIn(model, link=terse), speculative_metrics(), RESULT)
+    assert report["link"] == {"kind": "plugin-link", "gbps": 3.0, "latency_us": None, "emulated": True, "transfers": 7}
+    assert report["link"]["emulated"] is True
+    assert "plugin-link 3.0 GB/s (emulated)" in format_summary(report)  # no "None us"
+
+
+def test_hit_rate_is_null_where_no_decode_step_looked_an_expert_up(model):
+    """A cache's rate over zero lookups is 0.0 (``CacheStats.hit_rate``); the report says null."""
+    prefill_only = GenerationMetrics()  # max_new_tokens=1: the prefill's token, no decode step
+    prefill_only.observe_prefill(4, 0.1)
+    idle = {"hit_rate": 0.0, "transfer_wait_s": 0.0, "bytes_transferred": 4000, "decode_bytes_transferred": 0,
+            "cache": {"decode": {"acquired_keys": 0, "hits": 0, "misses": 0}}}
+    report = build_report(StandIn(model, idle), prefill_only, RESULT)
+    assert report["hit_rate"] is None and report["io_wait_share"] is None and report["copies_per_token"] is None
+    assert report["bytes_transferred"] == 4000 and report["transfer_wait_s"] == 0.0  # measured: kept
+    # decode steps that looked nothing up (a stand-in's cache counters): null too; some lookups: kept
+    assert build_report(StandIn(model, idle), speculative_metrics(), RESULT)["hit_rate"] is None
+    busy = dict(idle, hit_rate=0.75, cache={"decode": {"acquired_keys": 8, "hits": 6, "misses": 2}})
+    assert build_report(StandIn(model, busy), speculative_metrics(), RESULT)["hit_rate"] == 0.75
+
+
+def test_the_summary_says_which_figures_are_of_the_decode(model):
+    report = build_report(StandIn(model), speculative_metrics(), RESULT)
+    lines = format_summary(report).splitlines()
+    assert any(line.startswith("transfer wait / share of decode time") and line.rstrip().endswith("  -")
+               for line in lines)  # no transfers at all: a dash, not "- s / -"
+    assert any(line.startswith("hit rate (decode)") for line in lines)
+    waited = dict(report, transfer_wait_s=0.1, io_wait_share=0.25, copies_per_token=2.0)
+    lines = format_summary(waited).splitlines()
+    assert any(line.startswith("transfer wait / share of decode time") and line.rstrip().endswith("0.1 s / 0.25")
+               for line in lines)
+    assert any(line.startswith("expert copies per decode token") and line.rstrip().endswith("2")
+               for line in lines)
+
+
+def test_real_engines_report_the_design_keys(tiny_mixtral):
+    """End to end through ``specter.load``: an ondemand run without decode steps has a null hit
+    rate, and hf-offload's link entry (its accelerate reads) carries every DESIGN link key."""
+    import specter
+
+    base = {"model": str(tiny_mixtral), "device": "cpu", "dtype": "float32", "threads": 1,
+            "offload": {"expert_budget": 0.25, "link": {"kind": "local"}}}
+    with specter.load(dict(base, engine="ondemand", max_new_tokens=1)) as engine:
+        report = engine.generate([[1, 17, 93, 4, 250]]).report
+    assert report["new_tokens"] == 1 and report["hit_rate"] is None
+    assert report["cache"]["decode"]["acquired_keys"] == 0
+    assert report["link"]["kind"] == "local" and report["link"]["emulated"] is False
+    with specter.load(dict(base, engine="hf-offload", max_new_tokens=3)) as engine:
+        report = engine.generate([[1, 17, 93, 4, 250]]).report
+    assert set(report) >= set(DESIGN_KEYS)
+    assert report["offload"]["tier"] == "disk"  # a quarter of the experts on device: accelerate reads the rest
+    assert list(report["link"])[:4] == ["kind", "gbps", "latency_us", "emulated"], report["link"]
+    assert report["link"]["kind"] == "accelerate-disk-offload" and report["link"]["emulated"] is False
