@@ -153,6 +153,8 @@ class DraftConfig(_Section):
     """The resident quantized copy of the experts that drafts tokens."""
 
     _path = "speculation.draft"
+    bits: int = _field("bits per draft weight: 4, the symmetric INT4 the draft kernels implement (a name "
+                       "DESIGN.md's recipe sketch gives; any other width is refused)", 4, **_one_of(4))
     group_size: int = _field("quantization group size along the input dimension", 64,
                              **_one_of(*GROUP_SIZES))
 

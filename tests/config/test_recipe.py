@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -380,10 +381,43 @@ def test_schema_keeps_the_published_key_names():
         offload.link.gbps offload.link.latency_us offload.link.options offload.cache_policy.name
         offload.cache_policy.options offload.prefetch offload.pin_memory offload.experts_on offload.host_budget offload.direct_io
         offload.transfer_timeout_s offload.verify_copies
-        speculation.draft.group_size speculation.predictor.name
+        speculation.draft.bits speculation.draft.group_size speculation.predictor.name
         speculation.predictor.options speculation.governor.name speculation.governor.k
         speculation.governor.options compile huge_pages allow_pickle trust_remote_code check_lossless""".split()
     assert recipe_keys() == published
+
+
+DESIGN_SKETCH = """
+model: bundled:tiny-moe        # or a local Hugging Face checkpoint directory
+engine: specter                # resident | ondemand | router-lookahead | specter | hf-offload
+device: auto                   # cuda when present, else cpu
+dtype: float32
+threads: 1
+seed: 0
+prompts_file: recipes/prompts/eval.jsonl   # or prompt: / prompts:
+max_new_tokens: 64
+sampling: {temperature: 0.0, top_p: 1.0}
+offload:
+  expert_budget: 0.5           # fraction of all experts, {per_layer: 8}, or bytes "2GiB"
+  link: {kind: emulated, gbps: 0.5, latency_us: 50}   # cuda | emulated | local
+  cache_policy: {name: lru}
+speculation:
+  draft: {bits: 4, group_size: 64}
+  predictor: {name: draft}     # draft | router-lookahead | ngram | none
+  governor: {name: fixed, k: 4}   # fixed | roofline
+compile: false
+"""
+
+
+def test_the_design_documents_recipe_sketch_loads_as_written(tmp_path, monkeypatch):
+    """The sketch's names are ones programs outside the repository rely on (DESIGN.md)."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    path = tmp_path / "sketch.yaml"
+    path.write_text(DESIGN_SKETCH)
+    recipe = load_recipe(path, ["offload.expert_budget=0.25"])
+    assert (recipe.speculation.draft.bits, recipe.offload.expert_budget.value, recipe.offload.link.gbps) == (4, 0.25, 0.5)
+    with pytest.raises(SpecterError, match="speculation.draft.bits: invalid value 8; allowed: 4"):
+        load_recipe(path, ["speculation.draft.bits=8"])
 
 
 
