@@ -82,7 +82,9 @@ def load_recipe(
 
 
 def check_plugin_names(recipe: Recipe) -> None:
-    """Raise ``UnknownPluginError`` (naming the recipe key) for an unregistered plugin the run uses.
+    """Raise ``UnknownPluginError`` (naming the recipe key) for an unregistered plugin the run uses,
+    and ``SpecterError`` for options its factory would refuse (``Registry.check_options``), so a typo
+    is reported before the model loads.
 
     ``offload.link.kind: auto`` is not a plugin but a choice the engine makes, so it passes (and an
     unknown link's message lists it with the plugins).
@@ -98,7 +100,21 @@ def check_plugin_names(recipe: Recipe) -> None:
         except UnknownPluginError as error:
             if choice.kind != "link":
                 raise
-            raise UnknownPluginError("link", choice.name, [*error.known, AUTO_LINK], key=choice.key) from None
+            rebuilt = UnknownPluginError("link", choice.name, [*error.known, AUTO_LINK], key=choice.key)
+            hint = plugins.why_missing("link", choice.name)
+            if hint:
+                rebuilt.args = (f"{rebuilt.args[0]}; {hint}",)
+            raise rebuilt from None
+    sections = {"cache_policy": recipe.offload.cache_policy, "link": recipe.offload.link,
+                "predictor": recipe.speculation.predictor, "governor": recipe.speculation.governor}
+    for choice in recipe.plugins_used():  # options as the engine will pass them, checked before the model loads
+        section = sections.get(choice.kind)
+        if section is None or (choice.kind, choice.name) == ("link", AUTO_LINK):
+            continue
+        options = dict(section.options)
+        if choice.kind == "link" and choice.name == "emulated":
+            options = {"gbps": section.gbps, "latency_us": section.latency_us, **options}
+        plugins.check_options(choice.kind, choice.name, options, key=choice.key)
 
 
 _YAML_NULLS = ("", "~", "null", "Null", "NULL")

@@ -74,7 +74,8 @@ def test_a_recipe_source_keeps_its_directory_over_source_dir_and_is_revalidated(
 def test_overrides_never_change_the_callers_mapping() -> None:
     raw = {"engine": "ondemand", "offload": {"link": {"kind": "local", "gbps": 1.0}, "cache_policy": {"options": {}}}}
     before = copy.deepcopy(raw)
-    recipe = load_recipe(raw, ["offload.link.gbps=4", "offload.cache_policy.options.decay=0.5", "engine=resident"])
+    recipe = load_recipe(raw, ["offload.link.gbps=4", "offload.cache_policy.options.decay=0.5", "engine=resident"],
+                         check_plugins=False)
     assert (recipe.offload.link.gbps, recipe.engine) == (4.0, "resident")
     assert raw == before
 
@@ -202,14 +203,15 @@ def test_shared_yaml_values_count_where_they_appear(tmp_path: Path) -> None:
         load_recipe(bomb)
     shared = tmp_path / "shared.yaml"
     shared.write_text("speculation:\n  governor:\n    options:\n      a: &a [1, 2]\n      b: *a\n")
-    assert load_recipe(shared).speculation.governor.options == {"a": [1, 2], "b": [1, 2]}
+    assert load_recipe(shared, check_plugins=False).speculation.governor.options == {"a": [1, 2], "b": [1, 2]}
 
 
 def test_an_override_is_held_to_the_same_bounds_as_the_recipe() -> None:
     deep = "[" * 40 + "]" * 40
     with pytest.raises(SpecterError, match=r"^recipe: nested deeper than 32 levels"):
         load_recipe({}, [f"speculation.governor.options={{x: {deep}}}"])
-    assert load_recipe({}, ["speculation.governor.options={x: [[1]]}"]).speculation.governor.options == {"x": [[1]]}
+    assert load_recipe({}, ["speculation.governor.options={x: [[1]]}"],
+                       check_plugins=False).speculation.governor.options == {"x": [[1]]}
 
 
 @pytest.mark.parametrize("text, key, first_line, line", [
@@ -280,3 +282,21 @@ def test_an_override_of_a_key_taking_only_text_keeps_the_text_as_typed(override,
 def test_an_override_of_a_key_taking_numbers_still_reads_yaml() -> None:
     recipe = load_recipe({}, ["seed=7", "sampling.temperature=1e-1", "offload.link.gbps=2"])
     assert (recipe.seed, recipe.sampling.temperature, recipe.offload.link.gbps) == (7, 0.1, 2.0)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"offload": {"cache_policy": {"name": "lru", "options": {"capacity": 3}}}},
+     "offload.cache_policy.name: unknown option 'capacity' for cache_policy 'lru'"),
+    ({"offload": {"link": {"kind": "local", "options": {"copy_thread": True, "treads": 2}}}},
+     "offload.link.kind: unknown option 'treads' for link 'local'"),
+    ({"speculation": {"governor": {"name": "roofline", "options": {"k_mx": 8, "alpha": 1}}}},
+     "speculation.governor.name: unknown options 'k_mx', 'alpha' for governor 'roofline'"),
+])
+def test_a_plugin_option_its_factory_would_refuse_is_refused_when_the_recipe_loads(section, message) -> None:
+    """Before the model loads (a widened model takes a minute), not when the engine creates the plugin."""
+    assert error_of({"engine": "specter", **section}).startswith(message)
+
+
+def test_the_options_the_engine_passes_a_link_itself_are_not_refused() -> None:
+    recipe = load_recipe({"offload": {"link": {"kind": "emulated", "gbps": 2.0, "latency_us": 5}}})
+    assert recipe.offload.link.gbps == 2.0

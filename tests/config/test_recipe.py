@@ -262,7 +262,8 @@ def test_overrides_are_parsed_as_yaml():
             "compile=true",
             "prompts=[a, b]",
             "speculation.governor.k=8",
-            "offload.cache_policy.options.decay=0.9",
+            "offload.cache_policy.name=lfu",
+            "offload.cache_policy.options.history=true",
             "sampling.temperature=0",
         ],
     )
@@ -270,7 +271,7 @@ def test_overrides_are_parsed_as_yaml():
     assert recipe.compile is True
     assert recipe.prompts == ["a", "b"]
     assert recipe.speculation.governor.k == 8
-    assert recipe.offload.cache_policy.options == {"decay": 0.9}
+    assert recipe.offload.cache_policy.options == {"history": True}
     assert recipe.sampling.temperature == 0.0
     gib = load_recipe({}, ["offload.expert_budget=2GiB"]).offload.expert_budget
     assert gib == ExpertBudget("bytes", 2 * 2**30)
