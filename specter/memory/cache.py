@@ -322,10 +322,11 @@ class ExpertCache:
         self._check_victim(victim, candidates)
         return self._evict(victim)
 
-    @staticmethod
-    def _check_victim(victim: ExpertKey, candidates: Sequence[ExpertKey]) -> None:
+    def _check_victim(self, victim: ExpertKey, candidates: Sequence[ExpertKey]) -> None:
         if victim not in candidates:
-            raise SpecterError(f"cache policy chose {victim}, which is not among the evictable keys")
+            name = getattr(self.policy, "name", "") or type(self.policy).__name__
+            raise SpecterError(f"offload.cache_policy.name: cache policy {name!r} returned {victim!r} from "
+                               f"choose_victim(), which is not one of the candidates it was given")
 
     def _evict(self, victim: ExpertKey, counted: bool = True) -> int:
         slot = self._slot_of.pop(victim)

@@ -208,7 +208,8 @@ def test_policy_must_choose_among_candidates() -> None:
 
     cache = make_cache(n_slots=1, policy=Wrong())
     use(cache, 0, [0])
-    with pytest.raises(SpecterError, match="not among"):
+    with pytest.raises(SpecterError, match=r"^offload\.cache_policy\.name: cache policy 'lru' returned \(0, 5\) "
+                                           r"from choose_victim\(\), which is not one of the candidates it was given$"):
         cache.acquire(0, [1])
 
 
