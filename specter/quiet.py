@@ -6,7 +6,10 @@ optional C++ extensions (Specter uses only its pure-Python quantisation math, an
 silences the torchao logger below ERROR and PyTorch's ``_pytree`` deprecation warnings raised from
 inside transformers/torchao, and drops accelerate's "parameters are on the meta device because
 they were offloaded" line (the ``hf-offload`` baseline offloads on purpose).
-``loading_quietly()`` hides transformers' weight-loading progress bars around a model load. Setting ``SPECTER_VERBOSE=1`` (the CLIs' ``--verbose``) turns all of
+``loading_quietly()`` hides transformers' weight-loading progress bars around a model load.
+``one_line_warnings()`` (the CLIs call it) prints a warning Specter raises (a category of its own,
+or one raised from its code) as ``warning: MESSAGE``, as the CLIs print their own, instead of
+Python's two lines naming an internal source line. Setting ``SPECTER_VERBOSE=1`` (the CLIs' ``--verbose``) turns all of
 it off, so the output is what the libraries print themselves.
 """
 
@@ -56,6 +59,25 @@ def loading_quietly() -> Iterator[None]:
     finally:
         if was_enabled:
             transformers_logging.enable_progress_bar()
+
+
+_SPECTER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def one_line_warnings() -> None:
+    installed = getattr(warnings.formatwarning, "plain", None)
+    if verbose() and installed is not None:  # an earlier CLI call in this process installed it
+        warnings.formatwarning = installed
+    if verbose() or installed is not None:
+        return
+    plain = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None) -> str:
+        ours = category.__module__.split(".")[0] == "specter" or os.path.abspath(filename).startswith(_SPECTER_DIR)
+        return f"warning: {message}\n" if ours else plain(message, category, filename, lineno, line)
+
+    formatwarning.plain = plain  # type: ignore[attr-defined]
+    warnings.formatwarning = formatwarning
 
 
 def unquiet() -> None:

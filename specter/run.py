@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         from specter.quiet import unquiet
 
         unquiet()
+    from specter.quiet import one_line_warnings
+
+    one_line_warnings()
     try:
         if args.report:
             check_writable(args.report)

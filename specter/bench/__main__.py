@@ -115,6 +115,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run(argv: list[str]) -> int:
     args = parse_args(argv)
     from specter.interrupts import deferred
+    from specter.quiet import one_line_warnings
+
+    one_line_warnings()
 
     with deferred():  # torch, transformers: an interrupt inside an import leaves them half-initialised
         from specter.bench.spec import load_bench

@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     from specter.errors import SpecterError
 
     args = parse_args(argv)
+    from specter.quiet import one_line_warnings
+
+    one_line_warnings()
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None  # "" in env: unset
     try:
         if api_key is not None and not api_key.strip():
