@@ -159,7 +159,10 @@ class CompiledDecoder(DecoderGraphs):
             else:
                 weights += [self.cache.slot_table, *self.cache.slots.values()]
             _mark_static(weights + self._keys + self._values + [self._kv_index])
-        key = layout_key(self.arch, self.dtype, self.device, [*dense, *first_experts.parameters()], experts,
+        slots = [self.cache.slot_table, *self.cache.slots.values()] if self.cache is not None else []
+        # a cache of another size is another layout: graphs (and recompile limits) of its own, so any
+        # number of budgets compiles in one process
+        key = layout_key(self.arch, self.dtype, self.device, [*dense, *first_experts.parameters(), *slots], experts,
                          (self.cuda_graphs, cpp_wrapper))  # compiled under other options: graphs of their own
         self._compile_graphs(key, cpp_wrapper)  # graphs and recompile limits per layout
 

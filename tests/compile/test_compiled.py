@@ -322,3 +322,17 @@ def test_a_bfloat16_model_compiles_to_the_eager_tokens_with_its_roundings_kept(a
     assert [o["token_ids"] for o in report["outputs"]] == eager
     assert report["compile"]["late_graphs"] == 0
     engine.close()
+
+
+@pytest.mark.slow
+def test_any_number_of_cache_sizes_compile_in_one_process(zoo_mixtral, eager_resident):
+    """A bench sweeps budgets in one process: each cache size is a layout with graphs of its own.
+    Nine sizes on one code object hit dynamo's recompile limit (8) and the ninth engine failed with
+    ``FailOnRecompileLimitHit`` (a bench of 3 budgets compiled did, across its engines)."""
+    for eighths in range(1, 10):
+        engine = specter.load(recipe(zoo_mixtral, "ondemand", compile=True, budget=eighths / 16,
+                                     link={"kind": "local", "options": {"copy_thread": False}}))
+        report = engine.generate(PROMPTS).report
+        assert [o["token_ids"] for o in report["outputs"]] == eager_resident, eighths
+        assert report["compile"]["late_graphs"] == 0
+        engine.close()
