@@ -1,39 +1,64 @@
 """``python -m specter.bench RECIPE [options]`` runs a bench; ``python -m specter.bench plot
 BENCH.json [--out DIR]`` redraws its plots (``plot``). See ``specter.bench.spec`` for the bench
-recipe, ``specter.bench.sweep`` for what is measured and ``specter.bench.plots`` for the figures.
+recipe, ``specter.bench.sweep`` for what is measured, ``specter.bench.plots`` for the figures and
+``specter.bench.output`` for the output folder.
 
 ``plot(argv)`` takes the arguments after ``plot`` (a leading ``plot`` is dropped), writes next to
 the JSON file unless ``--out`` is given, prints each written path and returns 0; it returns 2
-(one line, ``error: ...``) when the file is not a readable ``specter.bench/2`` document or the
-output folder cannot be written (``prepare_out_dir(path)``: creates it and tries a file in it,
-else raises ``SpecterError("--out: cannot write to PATH: why")``; the bench's own ``--out`` is
-checked the same way), and 1 when nothing could be drawn.
+(one line, ``error: ...``) when the file is not a readable ``specter.bench/2`` document (one whose
+fields have the wrong types included: ``output.document_problem``) or the output folder cannot
+be written (``output.prepare_out_dir``; the bench's own ``--out`` is checked the same way), and 1
+when nothing could be drawn.
 
 A mistake in the recipe or the options (the output folder included) is one line on stderr
-(``error: ...``) and exit code 2, before any engine is built; Ctrl-C prints ``interrupted`` and
-exits 130.
+(``error: ...``; one about a sweep key given as an option names the option: ``--repeats
+(sweep.repeats): ...``) and exit code 2, before any engine is built. ``--k`` or ``--governors``
+without the specter engine is a warning. The bench writes ``<title>.json`` and ``<title>.md``
+(each whole or not at all: ``output.write_atomic``) only once every cell has run, then the plots
+(``<title>-<figure>.png``, the names ``plot`` redraws; ``--no-plots`` warns about an earlier
+run's plots left in the folder). Ctrl-C prints one line starting ``interrupted`` (saying what was
+written, and removing the output folder the run created while it is still empty) and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import shlex
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from specter.bench.spec import BenchSpec
 
 DESCRIPTION = """\
 Run engines side by side in one process: every cell of a sweep over expert budgets, links, fixed
 k values, governors and eager/compiled, interleaved and repeated. Writes <title>.json
-(specter.bench/2), <title>.md (the tables) and PNG plots into reports/<title>/ or --out.
-RECIPE is a bench recipe (title, run, sweep: see specter/bench/spec.py) or a plain run recipe,
-benched as one cell. The sweep options below replace the recipe's sweep keys."""
+(specter.bench/2), <title>.md (the tables) and PNG plots into reports/<title>/ or --out, once
+every cell has run. RECIPE is a bench recipe (title, run, sweep: see specter/bench/spec.py) or a
+plain run recipe, benched as one cell. The sweep options below replace the recipe's sweep keys.
+
+A quick check (seconds, not minutes):
+  python -m specter.bench recipes/bench-bundled.yaml --engines resident,specter --budgets 0.25 \\
+    --links '{l: {kind: local}}' --k 4 --governors '' --compile eager --repeats 1 \\
+    --warmup-tokens 4 --set max_prompts=1 --set max_new_tokens=8"""
 
 EPILOG = """\
 python -m specter.bench plot BENCH.json [--out DIR]
   redraws the PNG plots of a bench's JSON file (next to it unless --out is given);
   see python -m specter.bench plot --help."""
+
+OPTIONS = {"engines": "--engines", "budgets": "--budgets", "links": "--links", "k": "--k", "governors": "--governors",
+           "compile": "--compile", "repeats": "--repeats", "warmup_tokens": "--warmup-tokens", "twins": "--twins"}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes are one line on stderr, ``error: ...``, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _csv(text: str) -> list[str]:
@@ -53,6 +78,13 @@ def _ints(text: str) -> list[int]:
         return [int(x) for x in _csv(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,4, got {text!r}") from None
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
 def _yaml_option(text: str, expected: str, items: bool = False) -> object:
@@ -81,8 +113,14 @@ def _links(text: str) -> object:
     return _yaml_option(text, "a mapping such as '{\"local\": {\"kind\": \"local\"}}'")
 
 
+def _out(text: str) -> Path:
+    from specter.bench.output import out_dir_argument
+
+    return out_dir_argument(text)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m specter.bench", description=DESCRIPTION, epilog=EPILOG,
         usage="%(prog)s RECIPE [options]\n       %(prog)s plot BENCH.json [--out DIR]",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,13 +141,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--links", type=_links,
                         help="JSON (or YAML) mapping of link names to offload.link settings (replaces sweep.links), "
                              "e.g. '{\"local\": {\"kind\": \"local\"}}'")
-    parser.add_argument("--repeats", type=int, help="timed runs of every engine in every cell (replaces sweep.repeats)")
+    parser.add_argument("--repeats", type=_int,
+                        help="timed runs of every engine in every cell (replaces sweep.repeats)")
+    parser.add_argument("--warmup-tokens", dest="warmup_tokens", type=_int, metavar="N",
+                        help="untimed tokens every engine generates in every cell before its timed runs, at "
+                             "least 1 (replaces sweep.warmup_tokens)")
     parser.add_argument("--twins", type=_csv, help="comma-separated row labels run twice as identical engines "
                         "(A/A: the run's noise floor), e.g. 'specter k=4'; '' for none. Twins of rows that "
                         "--engines, --k or --governors leave out are dropped")
-    parser.add_argument("--out", type=Path, help="output directory (default: reports/<title>)")
+    parser.add_argument("--out", type=_out, help="output directory (default: reports/<title>); files of an "
+                                                 "earlier run of the same title there are replaced")
     parser.add_argument("--no-plots", action="store_true", help="write JSON and markdown only")
     return parser.parse_args(argv)
+
+
+def naming_option(text: str, given: Iterable[str]) -> str:
+    """``text`` (a ``load_bench`` mistake) naming the option where it is about a sweep key that
+    the command line gave (``given``): ``sweep.repeats: ...`` -> ``--repeats (sweep.repeats): ...``."""
+    head, sep, rest = text.partition(": ")
+    for key in given:
+        if sep and (head == f"sweep.{key}" or head.startswith((f"sweep.{key}.", f"sweep.{key}["))):
+            return f"{OPTIONS[key]} ({head}): {rest}"
+    return text
 
 
 def run(argv: list[str]) -> int:
@@ -120,80 +173,103 @@ def run(argv: list[str]) -> int:
     one_line_warnings()
 
     with deferred():  # torch, transformers: an interrupt inside an import leaves them half-initialised
+        from specter.bench.output import prepare_out_dir
         from specter.bench.spec import load_bench
-        from specter.bench.sweep import run_bench
-        from specter.bench.tables import markdown
         from specter.errors import SpecterError
 
-    sweep = {key: getattr(args, key) for key in ("engines", "budgets", "k", "governors", "compile", "repeats", "twins")
-             if getattr(args, key) is not None}
+    sweep = {key: getattr(args, key) for key in OPTIONS if getattr(args, key) is not None}
     try:
-        if args.links is not None:
-            sweep["links"] = args.links
         spec = load_bench(args.recipe, args.overrides, sweep)
         for key, instead in spec.unused:
             print(f"warning: {key} has no effect: the bench sets it in every cell; {instead}", file=sys.stderr)
+        for key in ("k", "governors"):
+            if sweep.get(key) and "specter" not in spec.engines:
+                print(f"warning: {OPTIONS[key]} has no effect: it makes specter rows, and the engines "
+                      f"({', '.join(spec.engines)}) leave specter out", file=sys.stderr)
         out_dir = args.out or Path("reports") / spec.title
-        prepare_out_dir(out_dir)
+        created = prepare_out_dir(out_dir)
     except SpecterError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {naming_option(str(error), sweep)}", file=sys.stderr)
         return 2
     command = "python -m specter.bench " + " ".join(shlex.quote(a) for a in argv)
-    try:
-        document = run_bench(spec, command)
-    except SpecterError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    json_path = out_dir / f"{spec.title}.json"
-    json_path.write_text(json.dumps(document, indent=2) + "\n")
-    table = markdown(document)
-    (out_dir / f"{spec.title}.md").write_text(table)
-    print(table)
-    print(f"wrote {json_path} and {out_dir / (spec.title + '.md')}")
-    if not args.no_plots:
-        from specter.bench.plots import plot_all
-
-        for path in plot_all(document, out_dir):
-            print(f"wrote {path}")
-    return 0
+    document = _measure(spec, command, out_dir, created)
+    if isinstance(document, int):
+        return document
+    return _write(document, spec.title, out_dir, args.no_plots)
 
 
-def prepare_out_dir(path: Path) -> None:
-    """Create the folder ``path`` (and its parents) and check a file can be written in it."""
+def _measure(spec: BenchSpec, command: str, out_dir: Path, created: Path | None) -> dict | int:
+    """The bench's document, or the exit code of a run that stopped (any other exception goes
+    on); a run that stops removes the output folder it created while still empty."""
+    from specter.bench.output import drop_if_empty
+    from specter.bench.sweep import run_bench
     from specter.errors import SpecterError
 
     try:
-        if path.exists() and not path.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder")
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise SpecterError(f"--out: cannot write to {path}: {error.strerror or error}") from None
+        return run_bench(spec, command)
+    except BaseException as error:
+        drop_if_empty(out_dir, created)
+        if isinstance(error, KeyboardInterrupt):
+            print(f"interrupted: nothing written (the bench writes {spec.title}.json and .md once every cell "
+                  "has run)", file=sys.stderr)
+            return 130
+        if isinstance(error, SpecterError):
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _write(document: dict, title: str, out_dir: Path, no_plots: bool) -> int:
+    from specter.bench.output import earlier_plots, write_atomic
+    from specter.bench.tables import markdown
+
+    json_path, md_path = out_dir / f"{title}.json", out_dir / f"{title}.md"
+    write_atomic(json_path, json.dumps(document, indent=2) + "\n")
+    table = markdown(document)
+    write_atomic(md_path, table)
+    print(table)
+    print(f"wrote {json_path} and {md_path}")
+    redraw = f"python -m specter.bench plot {shlex.quote(str(json_path))}"
+    if no_plots:
+        if earlier := earlier_plots(out_dir, title):
+            print(f"warning: {out_dir} holds {len(earlier)} plot(s) of an earlier run ({earlier[0].name}, ...), "
+                  f"not of this one; redraw them with {redraw}", file=sys.stderr)
+        return 0
+    from specter.bench.plots import plot_all
+
+    try:
+        for path in plot_all(document, out_dir, stem=title):
+            print(f"wrote {path}")
+    except KeyboardInterrupt:
+        print(f"interrupted while drawing the plots ({json_path.name} and {md_path.name} are written); redraw them "
+              f"with {redraw}", file=sys.stderr)
+        return 130
+    return 0
 
 
 def plot(argv: list[str]) -> int:
     """The ``plot`` subcommand (see the module docstring)."""
-    from specter.bench.plots import SCHEMA, plot_all
+    from specter.bench.output import document_problem, prepare_out_dir
+    from specter.bench.plots import plot_all
     from specter.errors import SpecterError
 
     args = list(argv)
     if args[:1] == ["plot"]:
         args = args[1:]
-    parser = argparse.ArgumentParser(prog="python -m specter.bench plot",
-                                     description="Render a specter.bench/2 JSON file as PNG figures.")
+    parser = OneLineParser(prog="python -m specter.bench plot",
+                           description="Render a specter.bench/2 JSON file as PNG figures.")
     parser.add_argument("bench", type=Path, help="bench JSON written by python -m specter.bench")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: the JSON file's folder)")
+    parser.add_argument("--out", type=_out, default=None, help="output folder (default: the JSON file's folder)")
     ns = parser.parse_args(args)
     try:
         bench = json.loads(ns.bench.read_text())
     except (OSError, ValueError) as exc:
         print(f"error: cannot read {ns.bench}: {exc}", file=sys.stderr)
         return 2
-    if not isinstance(bench, dict) or bench.get("schema") != SCHEMA:
-        found = bench.get("schema") if isinstance(bench, dict) else type(bench).__name__
-        print(f"error: {ns.bench} is not a {SCHEMA} document (found {found!r})", file=sys.stderr)
+    problem = document_problem(bench)
+    if problem is not None:
+        print(f"error: {ns.bench} is {problem}" if problem.startswith("not a ")
+              else f"error: {ns.bench} is not a valid specter.bench/2 document: {problem}", file=sys.stderr)
         return 2
     out_dir = ns.out if ns.out is not None else ns.bench.parent
     try:

@@ -22,6 +22,9 @@ bench title), and returns the written paths in this order:
   one column of panels each: predicted tokens/s against k (the most chosen k of the trace
   starred) over the k chosen per round (the trace, as a step plot).
 
+A figure of one of these names that an earlier draw left in ``out_dir`` and that has nothing to
+draw now is removed, so the folder's plots are all of ``bench`` (``FIGURES``: the names in order).
+
 Titles name the model and the thread count, and say "(emulated link)" when links are emulated.
 Null or absent metrics are skipped. matplotlib is imported on first use, with the Agg backend.
 The ``plot`` subcommand that calls ``plot_all`` on a JSON file is ``specter.bench.__main__.plot``.
@@ -38,6 +41,7 @@ from specter.bench import budgets as budget_of
 
 SCHEMA = "specter.bench/2"
 BASELINES = ("ondemand", "ondemand@same-memory", "router-lookahead", "resident")
+FIGURES = ("tokens", "ratio-heatmap", "hit-rate", "io-wait", "acceptance-k", "roofline")
 DPI = 110
 
 Value = Callable[[dict], "float | None"]
@@ -326,20 +330,22 @@ def plot_all(bench: dict, out_dir: Path, stem: str | None = None) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = stem or _stem(bench)
-    figures = (
-        ("tokens", lambda: _series_figure(bench, "decode tokens/s", _median, errorbars=True, log_y=True)),
-        ("ratio-heatmap", lambda: _ratio_figure(bench)),
-        ("hit-rate", lambda: _series_figure(bench, "expert cache hit rate", lambda r: r.get("hit_rate"))),
-        ("io-wait", lambda: _series_figure(bench, "I/O wait share of decode time", lambda r: r.get("io_wait_share"))),
-        ("acceptance-k", lambda: _acceptance_figure(bench)),
-        ("roofline", lambda: _roofline_figure(bench)),
-    )
+    draws = {
+        "tokens": lambda: _series_figure(bench, "decode tokens/s", _median, errorbars=True, log_y=True),
+        "ratio-heatmap": lambda: _ratio_figure(bench),
+        "hit-rate": lambda: _series_figure(bench, "expert cache hit rate", lambda r: r.get("hit_rate")),
+        "io-wait": lambda: _series_figure(bench, "I/O wait share of decode time", lambda r: r.get("io_wait_share")),
+        "acceptance-k": lambda: _acceptance_figure(bench),
+        "roofline": lambda: _roofline_figure(bench),
+    }
     written = []
-    for name, draw in figures:
+    for name in FIGURES:
+        draw = draws[name]
         fig = draw()
-        if fig is None:
-            continue
         path = out_dir / f"{stem}-{name}.png"
+        if fig is None:
+            path.unlink(missing_ok=True)  # an earlier draw's: it is not of this document
+            continue
         try:
             fig.savefig(path, dpi=DPI)
         finally:

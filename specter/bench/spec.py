@@ -26,24 +26,27 @@ first: how far apart two copies of one engine land in a cell is the run's noise 
 twice, merged). ``title`` names the output files (``<title>.json``): 1-100 characters, no ``/``,
 ``\\`` or control character, not only dots.
 
-A file without ``run``/``sweep`` is a plain run recipe: it is benched as one cell (its own
-budget, link, k and compile setting) with the default engines. ``overrides`` (``key=value``)
-apply to the run recipe; ``sweep_overrides`` (a mapping) replace sweep keys. When they replace
-``engines``, ``k`` or ``governors`` but not ``twins``, the recipe's twins of rows no longer in the
-sweep are dropped. Every mistake raises ``RecipeError`` naming the key (``sweep.budgets[1]: ...``,
-``run.max_new_tokens: ...``; a YAML syntax error as ``recipe: FILE:LINE:COL: ...``), before any
-engine is built: plugin names (a governor, a link kind) are checked against the registry, and
-an override of a key the sweep sets in every cell (``dropped``: ``engine``, ``compile``,
-``check_lossless``, ``offload.expert_budget``, ``offload.link`` and the keys of it a sweep link
-sets, ``speculation.governor``'s name, and its k and options where every specter row has a fixed
-k) is refused, naming the sweep option to use; "every cell" counts the sweep keys the recipe (or
+A file without ``run``/``sweep`` is a plain run recipe: it is benched as one cell (its own budget,
+link, k and compile setting) with the default engines. ``overrides`` (``key=value``) apply to the
+run recipe; ``sweep_overrides`` (a mapping) replace sweep keys. When they replace ``engines``,
+``k`` or ``governors`` but not ``twins``, the recipe's twins of rows no longer in the sweep are
+dropped. Every mistake raises ``RecipeError`` naming the key (``sweep.budgets[1]: ...``,
+``run.max_new_tokens: ...``; a YAML syntax error as ``recipe: FILE:LINE:COL: ...``; a bench's
+result JSON given as the recipe as ``recipe: ...``, pointing at ``plot``; an override of a sweep
+key, ``sweep.repeats=3`` or ``repeats=3``, naming its option, ``SWEEP_OPTIONS``), before any engine
+is built: plugin names (a governor, a link kind) are checked against the registry, and an override
+of a key the sweep sets in every cell (``dropped``: ``engine``, ``compile``, ``check_lossless``,
+``offload.expert_budget``, ``offload.link`` and the keys of it a sweep link sets,
+``speculation.governor``'s name, and its k and options where every specter row has a fixed k) is
+refused, naming the sweep option to use; "every cell" counts the sweep keys the recipe (or
 ``sweep_overrides``) gives, since one left out takes the run recipe's value. The same keys written
-in a bench recipe's ``run`` section are kept in ``BenchSpec.unused`` as (``run.<key>``, the
-option to use) for the CLI to warn about. ``fixed_k_overrides(k)``: the run recipe overrides
-of a ``specter`` row that always drafts k (the sweep's ``specter k=<k>`` rows; scripts that build
-one cell's engine take them too); ``budget_override(budget)``, ``link_overrides(link)``,
-``governor_override(name)``: the run recipe overrides of a cell's budget and link and of a
-``specter <governor>`` row.
+in a bench recipe's ``run`` section are kept in ``BenchSpec.unused`` as (``run.<key>``, the option
+to use) for the CLI to warn about, where the recipe's own sweep makes them dead too (not where only
+``sweep_overrides`` do: narrowing a recipe from the command line is no mistake in it).
+``fixed_k_overrides(k)``: the run recipe overrides of a ``specter`` row that always drafts k (the
+sweep's ``specter k=<k>`` rows; scripts that build one cell's engine take them too);
+``budget_override(budget)``, ``link_overrides(link)``, ``governor_override(name)``: the run recipe
+overrides of a cell's budget and link and of a ``specter <governor>`` row.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ SAME_MEMORY = "ondemand@same-memory"
 BENCH_ENGINES = ("resident", "ondemand", "router-lookahead", "specter", "hf-offload", SAME_MEMORY)  # what a sweep knows how to run
 DEFAULT_ENGINES = ("resident", "ondemand", SAME_MEMORY, "specter")
 SWEEP_KEYS = ("engines", "budgets", "links", "k", "governors", "compile", "repeats", "warmup_tokens", "twins")
+SWEEP_OPTIONS = {key: "--" + key.replace("_", "-") for key in SWEEP_KEYS}  # the CLI option that replaces each
 TWIN_SUFFIX = " (twin)"
 TITLE = re.compile(r"[^/\\\x00-\x1f\x7f]{1,100}")
 
@@ -247,6 +251,15 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
         raw, source_dir, title = _read(path) or {}, path.resolve().parent, path.stem
     if not isinstance(raw, Mapping):
         raise _error("recipe", "the top level must be a mapping")
+    if isinstance(raw.get("schema"), str) and raw["schema"].startswith("specter.bench/"):
+        raise _error("recipe", f"{source} is a bench's result ({raw['schema']}), not a recipe; to redraw its plots: "
+                               f"python -m specter.bench plot {source}")
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        sweep_key = key[len("sweep."):] if key.startswith("sweep.") else key
+        if sweep_key.split(".")[0] in SWEEP_OPTIONS and (key != sweep_key or sweep_key != "compile"):
+            option = SWEEP_OPTIONS[sweep_key.split(".")[0]]
+            raise _error(f"--set {key}", f"a sweep key, not a run-recipe key: use {option} (sweep.{sweep_key})")
     single_cell = "sweep" not in raw and "run" not in raw
     if single_cell:
         run_raw, sweep_raw = raw, {}
@@ -269,7 +282,7 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
                      "k": [base.speculation.governor.k], "compile": [base.compile]}
         if base.speculation.governor.name != "fixed":
             sweep_raw.update(k=[], governors=[base.speculation.governor.name])
-    sweep_raw = {**sweep_raw, **sweep_overrides}
+    own_sweep, sweep_raw = sweep_raw, {**sweep_raw, **sweep_overrides}
     unknown = set(sweep_raw) - set(SWEEP_KEYS)
     if unknown:
         raise _error(f"sweep.{sorted(unknown)[0]}", f"unknown key; allowed keys: {', '.join(SWEEP_KEYS)}")
@@ -296,8 +309,11 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
         if instead is not None:
             raise _error(f"--set {key}", f"the bench sets it in every cell, so this value would be dropped; {instead}")
     written = [] if single_cell else sorted(set(leaves(run_raw)))
-    unused = tuple((f"run.{key}", instead) for key in written
-                   if (instead := dropped(key, replaced, links, fixed_only)) is not None)
+    own_links = own_sweep.get("links") if isinstance(own_sweep.get("links"), Mapping) else links
+    own_fixed = "specter" in own_sweep.get("engines", DEFAULT_ENGINES) and not own_sweep.get("governors")
+    unused = tuple((f"run.{key}", instead) for key in written  # dead as the recipe is written, not only by the options
+                   if (instead := dropped(key, replaced, links, fixed_only)) is not None
+                   and dropped(key, set(own_sweep) & set(SWEEP_KEYS), own_links, own_fixed) is not None)
     spec = BenchSpec(title=title, recipe=base, engines=tuple(engines), budgets=tuple(budgets), links=links,
                      k=tuple(ks), governors=tuple(governors), compile=tuple(dict.fromkeys(compile_modes)),
                      repeats=repeats, warmup_tokens=warmup, unused=unused)

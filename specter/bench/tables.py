@@ -10,7 +10,8 @@ and in every table, as ``specter.bench.budgets.label`` writes it: ``25%``, ``8 p
 table for the budget-independent rows (those whose budget or link is null: resident, hf-offload).
 Each JSON row is exactly one table row, in JSON order within its table. Any metric may be null or
 absent and renders as ``-``; ratios render as ``1.80x``, rates with 3 decimals. A row's ``note`` is
-listed under its table.
+listed under its table. Where no row has a lossless verdict, a line after the tables says why (no
+eager ``resident`` row to compare tokens with, or sampling that is not greedy).
 
 Then, when there is something to show: "Where the time goes (specter rows)", one table row per
 specter row with ``phases`` (draft step against the row's ``single_step_s``, resident's median
@@ -272,6 +273,20 @@ def disk_section(bench: dict) -> list[str]:
         for row in rows))
 
 
+def lossless_note(bench: dict) -> list[str]:
+    """Why the lossless column is ``-`` in every row (nothing where some row has a verdict)."""
+    rows = bench.get("rows") or []
+    if not rows or any(row.get("lossless") is not None for row in rows):
+        return []
+    run = (bench.get("bench_recipe") or {}).get("run") or {}
+    if ((run.get("sampling") or {}).get("temperature") or 0) > 0:
+        why = "sampling is not greedy (`sampling.temperature` > 0), so no tokens are compared"
+    else:
+        why = ("no eager `resident` row ran to compare tokens with (add `resident` to `--engines` and `eager` to "
+               "`--compile`)")
+    return ["", f"Lossless `-`: {why}."]
+
+
 def markdown(bench: dict) -> str:
     rows = bench.get("rows") or []
     cell_rows = [r for r in rows if r.get("budget") is not None and r.get("link") is not None]
@@ -289,6 +304,7 @@ def markdown(bench: dict) -> str:
                           + (" (EMULATED)" if emulated else ""), ""] + table(cell)
     if independent:
         lines += ["", "### budget-independent", ""] + table(independent, independent=True)
+    lines += lossless_note(bench)
     for title, section in (("Where the time goes (specter rows)", phase_table(bench)),
                            ("Disk reads (last repeat, prefill included)", disk_section(bench)),
                            ("Governor", governor_section(bench)),

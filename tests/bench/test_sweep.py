@@ -4,6 +4,7 @@ the same cell, lossless against eager resident, files written by the CLI."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from types import SimpleNamespace
 
@@ -216,5 +217,9 @@ def test_a_cell_says_it_is_warming_up_before_its_engines_warm_up(monkeypatch, ca
     sweep.run()
     lines = capsys.readouterr().err.splitlines()
     start = lines.index("[budget 25%, slow link, eager and compiled] warming up 4 engines (48 tokens each) ...")
-    assert lines[start + 1:start + 5] == ["warm-up 48"] * 4
-    assert lines[start + 5].startswith("[budget 25%, slow link, eager #1] ")
+    warm_ups = lines[start + 1:start + 9]  # each engine's warm-up, then a line saying it is done
+    assert warm_ups[0::2] == ["warm-up 48"] * 4
+    done = [re.sub(r"in \d+\.\d s$", "in X s", line) for line in warm_ups[1::2]]
+    assert sorted(done) == sorted(f"[budget 25%, slow link, {mode}] warmed up {label} in X s"
+                                  for label in ("ondemand", "resident") for mode in ("eager", "compiled"))
+    assert lines[start + 9].startswith("[budget 25%, slow link, eager #1] ")
