@@ -1,20 +1,21 @@
 """Simulates the roofline governor's acceptance estimate against the one it replaced.
 
-Run: python scripts/acceptance_estimate_sim.py   (pure Python, a few seconds, seeded)
+Run: python scripts/acceptance_estimate_sim.py [--seeds 20]   (pure Python, a few seconds, seeded)
 
 A draft whose token at position j of a round is accepted with probability q_j (the same q at
 every position, or falling with j) runs 300 rounds whose k follows a pattern (mostly k = 2 with
 a k = 6 probe every 12 rounds, as a governor that settled on a small k; or always k = 6). After
 the first 40 rounds, each round's estimate of the expected accepted tokens at k = 8 (what the
 governor compares wide rounds by) is compared with the truth; the table prints its mean
-relative error and its 10th/90th percentiles over 20 seeds. The last lines change q from 0.93
+relative error and its 10th/90th percentiles over ``--seeds`` seeds (20). The last lines change q from 0.93
 to 0.3 (a prompt the draft does badly on) and back after 100 rounds of k = 4, and print how
 many rounds each estimate takes until its expected accepted tokens at k = 4 stay within 0.5
-of the truth for 10 rounds (median over 20 seeds).
+of the truth for 10 rounds (median over the seeds).
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 from typing import Callable
@@ -92,7 +93,12 @@ def rounds_to_follow(make, before: float, after: float, seeds: int = 20) -> floa
     return statistics.median(settle)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=20, help="seeds each figure is taken over")
+    args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
     estimates = {"per-position averages (before)": PerPositionAverages,
                  "shrunk to the pooled (now)": lambda: AcceptanceEstimate(8)}
     patterns = {"mostly k=2": lambda r: 6 if r % 12 == 0 else 2, "always k=6": lambda r: 6}
@@ -103,12 +109,12 @@ def main() -> None:
     for name, make in estimates.items():
         for draft, q in drafts.items():
             for pattern_name, pattern in patterns.items():
-                errors = sorted(steady_errors(make, q, pattern))
+                errors = sorted(steady_errors(make, q, pattern, args.seeds))
                 mean_abs = statistics.mean(abs(e) for e in errors)
                 print(f"| {name} | {draft} | {pattern_name} | {mean_abs:.1%} | {errors[len(errors) // 10]:+.1%} "
                       f"| {errors[9 * len(errors) // 10]:+.1%} |")
     for name, make in estimates.items():
-        down, up = rounds_to_follow(make, 0.93, 0.3), rounds_to_follow(make, 0.3, 0.93)
+        down, up = rounds_to_follow(make, 0.93, 0.3, args.seeds), rounds_to_follow(make, 0.3, 0.93, args.seeds)
         print(f"{name}: follows q 0.93 -> 0.3 in {down:.0f} rounds, 0.3 -> 0.93 in {up:.0f} (median)")
 
 

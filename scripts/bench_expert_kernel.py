@@ -49,13 +49,21 @@ def median_ms(call, repeats: int = 5, inner: int = 10) -> float:
     return statistics.median(samples)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--inter", type=int, default=4096)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
+    if args.hidden < 1:
+        parser.error("--hidden must be at least 1")
+    if args.inter < 1:
+        parser.error("--inter must be at least 1")
+    if args.slots < 2:
+        parser.error("--slots must be at least 2 (top-2 routing)")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     experts = StackedExperts(torch.randn(args.slots, 2 * args.inter, args.hidden, generator=gen) * 0.02,

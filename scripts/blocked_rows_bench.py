@@ -21,15 +21,36 @@ from specter import native
 from specter.kernels import blocked_rows, native_rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of whole numbers of at least 1 (an argparse type)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of whole numbers: {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be at least 1: {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--experts", type=int, default=40)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--inter", type=int, default=4096)
-    parser.add_argument("--rows", default="1,2,3,4,6,8,12")
+    parser.add_argument("--rows", type=positive_ints, default="1,2,3,4,6,8,12", help="rows a call (comma-separated)")
     parser.add_argument("--calls", type=int, default=200)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
+    if args.experts < 1:
+        parser.error("--experts must be at least 1")
+    if args.hidden < 1:
+        parser.error("--hidden must be at least 1")
+    if args.inter < 1:
+        parser.error("--inter must be at least 1")
+    if args.calls < 1:
+        parser.error("--calls must be at least 1")
     if not native.available():
         raise SystemExit(f"native kernels unavailable: {native.unavailable_reason()}")
     torch.set_num_threads(args.threads)
@@ -45,7 +66,7 @@ def main() -> None:
         for _ in range(args.experts):
             today_w.append((torch.randn(1, n, k, generator=gen) * 0.02).contiguous())
             blocked_w.append(blocked_rows.block(today_w[-1]))
-        for rows in (int(r) for r in args.rows.split(",")):
+        for rows in args.rows:
             x, ends = torch.randn(rows, k, generator=gen), torch.tensor([rows])
             times: dict[str, list[float]] = {"today": [], "blocked": []}
             for call in range(2 * args.calls):

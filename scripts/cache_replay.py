@@ -3,8 +3,9 @@ a decoded token must copy under each eviction rule, when rounds of T tokens are 
 
 Run: python scripts/cache_replay.py [RECIPE] [--set key=value ...] [--slots 16,32] [--widths 1,2,3,5,9]
      python scripts/cache_replay.py [RECIPE] --verified [--set key=value ...]
-     (default: recipes/specter.yaml with bench-proxy's run settings: model=bundled:tiny-moe-x16,
-     max_prompts=4, max_new_tokens=32; one thread)
+     (no RECIPE: recipes/specter.yaml with bench-proxy's run settings, model=bundled:tiny-moe-x16,
+     max_prompts=4, max_new_tokens=32, under any --set; a RECIPE runs as written, --set on top; one
+     thread)
 The recipe's ``resident`` engine generates its prompts (``max_prompts``, ``max_new_tokens``)
 greedily while a hook records every MoE layer's chosen experts. Then, per prompt, the decoded
 tokens are cut into rounds of T; a round asks for each layer's experts in layer order (the
@@ -33,6 +34,7 @@ from collections import OrderedDict
 import torch
 
 from specter.api import load
+from specter.errors import SpecterError
 from specter.model.layout import moe_layers
 
 Key = tuple[int, int]  # (MoE layer position, expert)
@@ -84,11 +86,15 @@ def warm(prefill: list[torch.Tensor], slots: int) -> list[Key]:
         for expert in index.reshape(-1).tolist():
             order.pop((layer, int(expert)), None)
             order[(layer, int(expert))] = None
-    return list(order)[-slots:]
+    return list(order)[len(order) - slots:] if slots < len(order) else list(order)
 
 
 def replay(requests: Requests, slots: int, initial: list[Key], rule: str, layers: int) -> int:
-    """Copies made serving ``requests`` from a pool of ``slots`` under ``rule`` (lru, round, min)."""
+    """Copies made serving ``requests`` from a pool of ``slots`` under ``rule`` (lru, round, min).
+    A group's experts are needed at once: a group larger than the pool is a ``ValueError``."""
+    widest = max(map(len, requests), default=0)
+    if widest > slots:
+        raise ValueError(f"a layer of a round needs {widest} experts at once, more than the {slots} slots")
     uses: dict[Key, list[int]] = {}
     for group, needed in enumerate(requests):
         for key in needed:
@@ -160,42 +166,69 @@ def verified_main(engine) -> None:
     per_prompt, copies, tokens = record_verified_rounds(engine)
     layers = len(engine.cache.store.layers)
     totals = {"lru": 0, "round": 0, "min": 0}
-    for requests, initial in per_prompt:
-        for rule in totals:
-            totals[rule] += replay(requests, engine.cache.capacity, initial, rule, layers)
+    try:
+        for requests, initial in per_prompt:
+            for rule in totals:
+                totals[rule] += replay(requests, engine.cache.capacity, initial, rule, layers)
+        replayed = "  ".join(f"{rule} {count / tokens:.3f}" for rule, count in totals.items())
+    except ValueError as error:  # the engine streamed a layer through its cache in waves
+        replayed = f"- ({error})"
     print(f"{engine.recipe.model}, {engine.recipe.engine}: {len(per_prompt)} prompts, {tokens} decoded tokens, "
           f"{engine.cache.capacity} slots; copies per decoded token: engine {copies / tokens:.3f}; on its "
-          "verified rounds " + "  ".join(f"{rule} {count / tokens:.3f}" for rule, count in totals.items()))
+          "verified rounds " + replayed)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", nargs="?", default="recipes/specter.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=None)
-    parser.add_argument("--slots", default="16,32", help="pool sizes (comma-separated)")
-    parser.add_argument("--widths", default="1,2,3,5,9", help="tokens verified per round (comma-separated)")
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of whole numbers of at least 1 (an argparse type)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of whole numbers: {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be at least 1: {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", nargs="?", help="a run recipe (default: recipes/specter.yaml with bench-proxy's "
+                        "run settings)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--slots", type=positive_ints, default="16,32", help="pool sizes (comma-separated)")
+    parser.add_argument("--widths", type=positive_ints, default="1,2,3,5,9",
+                        help="tokens verified per round (comma-separated)")
     parser.add_argument("--verified", action="store_true", help="replay the rounds the recipe's engine verified")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    overrides = args.overrides if args.overrides is not None else BENCH_PROXY_RUN
-    if args.verified:
-        with load(args.recipe, [*overrides, "check_lossless=false"]) as engine:
-            verified_main(engine)
-        return
-    engine = load(args.recipe, [*overrides, "engine=resident", "check_lossless=false"])
-    routing = record_routing(engine)
+    recipe, overrides = (args.recipe, args.overrides) if args.recipe else ("recipes/specter.yaml",
+                                                                           [*BENCH_PROXY_RUN, *args.overrides])
+    try:
+        if args.verified:
+            with load(recipe, [*overrides, "check_lossless=false"]) as engine:
+                verified_main(engine)
+            return
+        with load(recipe, [*overrides, "engine=resident", "check_lossless=false"]) as engine:
+            routing = record_routing(engine)
+            experts_per_layer = moe_layers(engine.model)[0].num_experts
+            model = engine.recipe.model
+    except SpecterError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     layers = len(routing[0][0])
-    experts = layers * moe_layers(engine.model)[0].num_experts
+    experts = layers * experts_per_layer
     tokens = sum(len(passes) - 1 for passes in routing)
-    print(f"{engine.recipe.model}: {len(routing)} prompts, {tokens} decoded tokens, {layers} MoE layers, "
+    print(f"{model}: {len(routing)} prompts, {tokens} decoded tokens, {layers} MoE layers, "
           f"{experts} experts; copies per decoded token (lru / round / min)")
-    for slots in (int(s) for s in args.slots.split(",")):
-        for width in (int(w) for w in args.widths.split(",")):
+    for slots in args.slots:
+        for width in args.widths:
             totals = {"lru": 0, "round": 0, "min": 0}
-            for passes in routing:
-                requests, initial = rounds(passes[1:], width), warm(passes[0], slots)
-                for rule in totals:
-                    totals[rule] += replay(requests, slots, initial, rule, layers)
+            try:
+                for passes in routing:
+                    requests, initial = rounds(passes[1:], width), warm(passes[0], slots)
+                    for rule in totals:
+                        totals[rule] += replay(requests, slots, initial, rule, layers)
+            except ValueError as error:
+                print(f"slots {slots:3d} ({slots / experts:.0%})  T = {width:2d}:  - ({error})")
+                continue
             print(f"slots {slots:3d} ({slots / experts:.0%})  T = {width:2d}:  "
                   + "  ".join(f"{rule} {count / tokens:.2f}" for rule, count in totals.items()))
 

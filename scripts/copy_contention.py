@@ -46,12 +46,16 @@ def median_ms(call: Callable[[], None], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--expert-mib", type=float, default=12.0, help="bytes of one copied expert")
     parser.add_argument("--paced-gbps", type=float, default=3.0, help="the paced copy thread's rate")
     parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.expert_mib <= 0 or args.paced_gbps <= 0:
+        parser.error("--expert-mib and --paced-gbps must be above 0")
     has_native = native.available()
 
     big = torch.randn(192 * 1024 * 1024 // 4)
@@ -115,7 +119,7 @@ def main() -> None:
             a @ a
 
     alone = {name: median_ms(call, args.repeats) for name, call in workloads.items()}
-    backgrounds = {"+copy thread": copier, f"+paced {args.paced_gbps:g} GB/s": lambda: copier(args.paced_gbps),
+    backgrounds = {"+copy thread": copier, f"+emulated {args.paced_gbps:g} GB/s": lambda: copier(args.paced_gbps),
                    "+matmul thread": matmuls}
     print(f"{'workload':32s} {'alone ms':>9s}" + "".join(f" {label:>21s}" for label in backgrounds))
     beside = {}
@@ -130,7 +134,9 @@ def main() -> None:
     for name, ms in alone.items():
         print(f"{name:32s} {ms:9.2f}" + "".join(f" {beside[label][name]:12.2f} ({beside[label][name] / ms:.2f}x)"
                                                 for label in backgrounds))
-    print(f"(copy threads: {args.expert_mib:g} MiB tensors, back to back or paced; one torch thread each)")
+    paced = "stream_copy.paced_copy" if has_native else "copy_ then sleep (no native kernels)"
+    print(f"(copy threads: {args.expert_mib:g} MiB tensors, back to back or paced as an emulated link's are ({paced}); "
+          "one torch thread each)")
 
 
 if __name__ == "__main__":

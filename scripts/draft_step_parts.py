@@ -3,7 +3,8 @@ full-precision experts (Specter's grouped kernel), and a whole one-token forward
 model, whose difference from the target's experts is the part draft and target steps share.
 
 Run: python scripts/draft_step_parts.py [RECIPE] [--set key=value ...]
-     (default: recipes/specter.yaml with model=bundled:tiny-moe-x16; one thread)
+     (no RECIPE: recipes/specter.yaml with model=bundled:tiny-moe-x16, under any --set; a RECIPE
+     runs as written, --set on top; one thread)
 Each figure is the median of 7 x 20 calls, one token, random top-k routing per layer. CPU only
 (the resident copy is loaded on the CPU). Then the draft step's floor as a fraction of a target
 step with these kernels: the INT4 matmuls alone (bf16 in and out, no other op) plus the part of a
@@ -24,10 +25,17 @@ from transformers import DynamicCache
 
 from specter.api import load
 from specter.decode.kv import crop_to
+from specter.errors import SpecterError
 from specter.experts.runtime import use_grouped_kernel
 from specter.kernels.grouped_experts import grouped_experts
 from specter.model.layout import moe_layers
 from specter.model.loader import load_model
+
+
+def threads_label() -> str:
+    """The torch threads the engine runs on (the recipe's ``threads``, which building the engine sets)."""
+    threads = torch.get_num_threads()
+    return f"{threads} thread{'s' if threads > 1 else ''}"
 
 
 def median_ms(call) -> float:
@@ -40,15 +48,19 @@ def median_ms(call) -> float:
     return statistics.median(samples)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", nargs="?", default="recipes/specter.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=None)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", nargs="?", help="a run recipe (default: recipes/specter.yaml with "
+                        "model=bundled:tiny-moe-x16)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    overrides = args.overrides if args.overrides is not None else ["model=bundled:tiny-moe-x16"]
-    # every expert cached: a draft step below copies nothing
-    engine = load(args.recipe, [*overrides, "engine=specter", "offload.link.kind=local", "offload.expert_budget=1.0"])
+    recipe, overrides = (args.recipe, args.overrides) if args.recipe else (
+        "recipes/specter.yaml", ["model=bundled:tiny-moe-x16", *args.overrides])
+    try:  # every expert cached: a draft step below copies nothing
+        engine = load(recipe, [*overrides, "engine=specter", "offload.link.kind=local", "offload.expert_budget=1.0"])
+    except SpecterError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     model, _, _ = load_model(engine.model_path, dtype=engine.model.dtype, device=torch.device("cpu"))
     use_grouped_kernel(model)
     layers = moe_layers(model)
@@ -99,6 +111,7 @@ def main() -> None:
         through_model = median_ms(engine_draft_step(lean=False))
         lean = median_ms(engine_draft_step(lean=True)) if engine.lean_draft is not None else None
     shared = whole - target
+    print(f"{engine.recipe.model}, {len(layers)} MoE layers, {threads_label()}; medians of 7 x 20 calls, one token")
     print(f"draft INT4 experts, all layers   {draft:6.2f} ms")
     print(f"target experts, all layers       {target:6.2f} ms")
     print(f"whole one-token forward          {whole:6.2f} ms  (shared part {shared:.2f} ms)")

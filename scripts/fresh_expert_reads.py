@@ -46,12 +46,18 @@ def widened_experts() -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, down
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=3)
     parser.add_argument("--gbps", type=float, default=2.0)
     parser.add_argument("--repeats", type=int, default=12)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.rows < 1:
+        parser.error("--rows must be at least 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.gbps <= 0:
+        parser.error("--gbps must be above 0")
     gate_up, down = widened_experts()
     slot_gate_up = huge_pages.zeros((2, 2 * INTER, HIDDEN), torch.float32)
     slot_down = huge_pages.zeros((2, HIDDEN, INTER), torch.float32)
@@ -114,7 +120,7 @@ def main() -> None:
         down[(expert + 21) % EXPERTS].sum()
         times["sum, cold"].append(time.perf_counter() - started)
     print(f"one {expert_bytes / 2**20:.0f} MiB float32 expert, {args.rows} rows, link {args.gbps:g} GB/s (emulated), "
-          f"medians of {args.repeats}")
+          f"one thread, medians of {args.repeats}")
     for name, samples in times.items():
         median = statistics.median(samples)
         print(f"  {name:24s} {median * 1e3:6.3f} ms  ({expert_bytes / median / 1e9:5.1f} GB/s)")

@@ -78,14 +78,22 @@ def best_of_equal_rows(row_noise: float, rows: int = 8, runs: int = 2, draws: in
     return statistics.mean(best)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--noise", type=float, default=0.12, help="lognormal sigma of a round's verify time")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--k-max", type=int, default=8, help="the governor's k_max (the true best is over 0..k_max)")
     parser.add_argument("--row-noise", type=float, default=0.05, help="relative noise of one bench run of a row")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    if args.k_max < 1:
+        parser.error("--k-max must be at least 1")
+    if args.noise < 0 or args.row_noise < 0:
+        parser.error("--noise and --row-noise must be at least 0")
     logging.disable(logging.WARNING)  # the governor's "speculation does not pay" lines
     ratios = []
     for p, io, fits in MACHINES:

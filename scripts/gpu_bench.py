@@ -2,9 +2,9 @@
 ``ondemand`` decode on a Mixtral-shaped random-weight model whose experts dominate (``resident``
 also with each of transformers' experts implementations: the choice moved it 1.7x on an H200).
 
-Contract: ``python scripts/gpu_bench.py [--layers 8 --experts 8 --budget 0.25 --tokens 32]``
-needs a CUDA device; prints a table and writes JSON to ``$OUT/gpu_bench.json`` when ``OUT`` is
-set. One model is built on the GPU (bf16), timed resident, then offloaded in place with
+Contract: ``python scripts/gpu_bench.py [--layers 8 --experts 8 --budget 0.25 --tokens 32] [--json PATH]``
+needs a CUDA device (without one it exits 1 at once, saying so); prints a table and writes JSON to
+``--json`` PATH, else to ``$OUT/gpu_bench.json`` when ``OUT`` is set. One model is built on the GPU (bf16), timed resident, then offloaded in place with
 ``specter.offload`` (experts to pinned host memory, a device cache of ``--budget`` of them, the
 ``cuda`` link) and timed again with the same prompt; greedy tokens are compared.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -59,15 +60,22 @@ def warm_up(model, prompt: torch.Tensor, seconds: float = 2.0) -> None:
         time_decode(model, prompt, 8)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--tokens", type=int, default=32)
-    args = parser.parse_args()
+    parser.add_argument("--tokens", type=int, default=32, help="decoded tokens timed (at least 2)")
+    parser.add_argument("--json", help="where to write the figures (default: $OUT/gpu_bench.json when OUT is set)")
+    args = parser.parse_args(argv)
+    if args.layers < 1 or args.experts < 2:
+        parser.error("--layers must be at least 1 and --experts at least 2")
+    if not 0 < args.budget <= 1:
+        parser.error(f"--budget must be a fraction in (0, 1], got {args.budget}")
+    if args.tokens < 2:
+        parser.error(f"--tokens must be at least 2 (the first comes from the prompt), got {args.tokens}")
     if not torch.cuda.is_available():
-        print("no CUDA device")
+        print("gpu_bench.py: needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 1
     import specter
     from specter.testing.zoo import mixtral_shaped, random_model
@@ -102,8 +110,9 @@ def main() -> int:
     width = max(map(len, results))
     for key, value in results.items():
         print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_bench.json"), "w") as handle_out:
+    path = args.json or (os.path.join(os.environ["OUT"], "gpu_bench.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as handle_out:
             json.dump(results, handle_out, indent=2)
     return 0
 

@@ -36,13 +36,19 @@ def per_call_ms(calls: list[Callable[[], object]]) -> float:
     return statistics.median(passes)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="widened")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--weights", type=int, default=48)
     parser.add_argument("--group-size", type=int, default=64)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
+    if args.weights < 1:
+        parser.error("--weights must be at least 1")
+    if args.group_size < 1:
+        parser.error("--group-size must be at least 1")
     torch.set_num_threads(args.threads)
     group = args.group_size
     backends = ["cpu-int4pack"] + (["cpu-native"] if int4_native.available() else [])

@@ -61,7 +61,7 @@ def summary(rates: list[list[float]], slow: float) -> str:
             f"{len(persistently_slow(rates, slow))} of {len(rates)}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--buffers", type=int, default=48)
     parser.add_argument("--mib", type=int, default=256)
@@ -69,7 +69,15 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=0.9)
     parser.add_argument("--no-settle", action="store_true",
                         help="skip settling the buffers (page_placement) at the end")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.buffers < 1:
+        parser.error("--buffers must be at least 1")
+    if args.mib < 1:
+        parser.error("--mib must be at least 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if not 0 < args.slow <= 1:
+        parser.error("--slow must be a fraction in (0, 1]")
     torch.set_num_threads(1)
     print(f"{args.buffers} buffers of {args.mib} MiB, {'huge pages' if huge_pages.supported() else '4 KiB pages'}, "
           f"{args.repeats} repeats, one thread")
@@ -86,6 +94,9 @@ def main() -> None:
         print(f"  buffer {index}: {medians[index]:.2f} GiB/s, again {again:.2f}; a fresh buffer beside it {fresh_rate:.2f}")
         del fresh
     if args.no_settle or not page_placement.enabled() or not huge_pages.supported():
+        return
+    if args.mib << 20 < page_placement.MIN_BYTES:
+        print(f"not settled: page_placement leaves buffers under {page_placement.MIN_BYTES >> 20} MiB as they are")
         return
     for buffer in buffers:
         page_placement.settle(buffer)

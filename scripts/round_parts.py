@@ -36,6 +36,7 @@ from specter.bench.spec import fixed_k_overrides, load_bench
 from specter.build import build_engine
 from specter.compile import lean_draft
 from specter.decode.speculative import SpecterEngine
+from specter.errors import SpecterError
 from specter.experts import runtime as runtime_module
 from specter.kernels import grouped_experts, native_rows
 
@@ -146,24 +147,50 @@ def measure(engine, prompts: list, repeats: int) -> dict:
             "verify_ms": statistics.median(verify_ms), "verify_tokens": report["phases"]["verify_tokens_per_round"]}
 
 
-def main() -> None:
+def threads_label() -> str:
+    """The torch threads the engine runs on (the recipe's ``threads``, which building the engine sets)."""
+    threads = torch.get_num_threads()
+    return f"{threads} thread{'s' if threads > 1 else ''}"
+
+
+def link_label(name: str, link: dict) -> str:
+    """The link as the table's heading names it: the recipe's name, then the kind the engine
+    reported, emulated links marked so with their rate (a CPU's "device" copies paced in software)."""
+    if link.get("emulated"):
+        return f"link {name} (emulated, {link['gbps']:g} GB/s + {link.get('latency_us', 0):g} us)"
+    kind = link.get("kind", "?")
+    return f"link {name}" if kind == name else f"link {name} ({kind})"
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", nargs="?", default="recipes/bench-proxy.yaml")
     parser.add_argument("--budget", type=float, default=0.5)
-    parser.add_argument("--link", default="local")
+    parser.add_argument("--link", default="local", help="one of the bench recipe's sweep.links (default: local)")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    spec = load_bench(args.recipe)
-    engine = build_engine(spec.cell_recipe("specter", args.budget, args.link, args.compiled, fixed_k_overrides(args.k)))
-    prompts = spec.recipe.resolved_prompts()
-    engine.generate(prompts[:1], max_new_tokens=48)  # warm-up (and compilation)
-    result = measure(engine, prompts, args.repeats)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    try:
+        spec = load_bench(args.recipe)
+        if args.link not in spec.links:
+            parser.error(f"--link {args.link!r} is not one of {args.recipe}'s links: {', '.join(spec.links)}")
+        torch.set_num_threads(1)
+        engine = build_engine(spec.cell_recipe("specter", args.budget, args.link, args.compiled,
+                                               fixed_k_overrides(args.k)))
+    except SpecterError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    try:
+        prompts = spec.recipe.resolved_prompts()
+        warm_up = engine.generate(prompts[:1], max_new_tokens=48)  # warm-up (and compilation)
+        result = measure(engine, prompts, args.repeats)
+    finally:
+        engine.close()
     mode = "compiled" if args.compiled else "eager"
-    print(f"{args.recipe}: specter k={args.k}, {args.budget:.0%} budget, link {args.link}, {mode}, one thread; "
-          f"decode {result['tokens_per_s']:.1f} tok/s (median of {args.repeats}), "
+    print(f"{args.recipe}: specter k={args.k}, {args.budget:.0%} budget, {link_label(args.link, warm_up.report['link'])}, "
+          f"{mode}, {threads_label()}; decode {result['tokens_per_s']:.1f} tok/s (median of {args.repeats}), "
           f"{result['verify_tokens']:.2f} tokens verified a round")
     print(f"  the reports' phases (medians): draft {result['draft_ms']:.2f} ms a round, verify {result['verify_ms']:.2f}")
     print(f"  {'part':34s} {'ms a round':>10s} {'calls a round':>14s}")

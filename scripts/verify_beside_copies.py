@@ -27,6 +27,7 @@ import torch
 
 from specter.bench.spec import fixed_k_overrides, load_bench
 from specter.build import build_engine
+from specter.errors import SpecterError
 
 ENGINES = ("resident", "copies beside", "copies before")
 
@@ -35,25 +36,29 @@ def median_range(values: list[float], scale: float = 1.0) -> str:
     return f"{statistics.median(values) * scale:.3f} [{min(values) * scale:.3f}-{max(values) * scale:.3f}]"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", nargs="?", default="recipes/bench-proxy.yaml")
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     torch.set_num_threads(1)
-    spec = load_bench(args.recipe)
     fixed = fixed_k_overrides(args.k)
-    engines = {
-        "resident": build_engine(spec.cell_recipe("resident", None, None, args.compiled)),
-        **{name: build_engine(spec.cell_recipe("specter", args.budget, None, args.compiled, fixed + [
-            "offload.link.kind=local", f"offload.link.options={{copy_thread: {'true' if thread else 'false'}}}"]))
-           for name, thread in (("copies beside", True), ("copies before", False))},
-    }
+    engines = {}
+    try:
+        spec = load_bench(args.recipe)
+        engines["resident"] = build_engine(spec.cell_recipe("resident", None, None, args.compiled))
+        for name, thread in (("copies beside", True), ("copies before", False)):
+            engines[name] = build_engine(spec.cell_recipe("specter", args.budget, None, args.compiled, fixed + [
+                "offload.link.kind=local", f"offload.link.options={{copy_thread: {'true' if thread else 'false'}}}"]))
+    except SpecterError as error:
+        for engine in engines.values():
+            engine.close()
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     prompts = spec.recipe.resolved_prompts()
     try:
         for engine in engines.values():
@@ -77,7 +82,8 @@ def main() -> None:
         for engine in engines.values():
             engine.close()
     mode = "compiled" if args.compiled else "eager"
-    print(f"{args.recipe}: specter k={args.k}, {args.budget:.0%} budget, link local, {mode}, one thread, "
+    threads = f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
+    print(f"{args.recipe}: specter k={args.k}, {args.budget:.0%} budget, link local, {mode}, {threads}, "
           f"{args.repeats} generations of {len(prompts)} prompts each (medians [range])")
     print(f"  {'engine':16s} {'tok/s':>24s} {'compute ms/expert read':>24s} {'kernels ms/expert read':>24s}")
     for name in ENGINES:

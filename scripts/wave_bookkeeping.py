@@ -58,11 +58,13 @@ def wave_bookkeeping(cache: ExpertCache, repeat: int) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=60)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.rows < 1:
+        parser.error("--rows must be at least 1")
     if args.repeats <= WARM_REPEATS:
         parser.error(f"--repeats must be more than {WARM_REPEATS} (the first {WARM_REPEATS} are dropped as warm-up)")
     gate_up, down = widened_experts()
@@ -79,7 +81,8 @@ def main() -> None:
         "after a small kernel": lambda repeat: small.sum(),
         "after the wave kernel": wave_kernel,
     }
-    print(f"the cache's acquire + await_any + release of two READY experts, medians of {args.repeats - WARM_REPEATS}")
+    print(f"the cache's acquire + await_any + release of two READY experts, one thread, "
+          f"medians of {args.repeats - WARM_REPEATS}")
     for name, run_before in before.items():
         samples = []
         for repeat in range(args.repeats):

@@ -67,3 +67,15 @@ def test_the_rules_replay_the_rounds_a_speculative_engine_verified(tiny_mixtral,
         assert 0 < len(initial) <= capacity
     floor = sum(cache_replay.replay(r, capacity, i, "min", layers) for r, i in per_prompt)
     assert 0 < floor <= copies  # no schedule copies fewer than MIN for the requests it served
+
+
+def test_a_pool_of_no_slots_starts_empty() -> None:
+    prefill = [torch.tensor([[0, 1], [2, 1]]), torch.tensor([[3, 0]])]
+    assert cache_replay.warm(prefill, 0) == []  # not the whole prefill ([-0:] is everything)
+    assert cache_replay.warm(prefill, 10) == [(0, 0), (0, 2), (0, 1), (1, 3), (1, 0)]
+
+
+def test_a_layer_needing_more_experts_than_the_pool_is_refused_with_a_reason() -> None:
+    # the engine streams such a layer in waves; the rules here cannot replay it (was an IndexError)
+    with pytest.raises(ValueError, match="needs 3 experts at once, more than the 2 slots"):
+        cache_replay.replay([{A, B, C}], 2, [], "lru", layers=1)

@@ -50,3 +50,10 @@ def test_the_parts_of_a_round_add_up_inside_it_and_the_patches_come_off() -> Non
              vars(type(engine.runtime))["_forward_from_slots"])
     assert after == before
     engine.close()
+
+
+def test_an_emulated_link_is_labelled_emulated_with_its_rate() -> None:
+    emulated = {"kind": "emulated", "gbps": 0.1, "latency_us": 20.0, "emulated": True}
+    assert round_parts.link_label("slow", emulated) == "link slow (emulated, 0.1 GB/s + 20 us)"
+    assert round_parts.link_label("local", {"kind": "local"}) == "link local"
+    assert round_parts.link_label("gpu", {"kind": "cuda"}) == "link gpu (cuda)"
