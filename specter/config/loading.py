@@ -191,7 +191,7 @@ def _apply_override(raw: dict[str, Any], item: object) -> None:
         raise _error(
             display_key(item),
             "an override must look like dotted.key=value (for example offload.expert_budget=0.25); "
-            "allowed keys: see --explain",
+            "allowed keys: python -m specter.run --explain",
         )
     dotted, text = item.split("=", 1)
     dotted = dotted.strip()

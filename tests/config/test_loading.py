@@ -19,7 +19,7 @@ TOP_LEVEL_KEYS = ("model, engine, device, dtype, threads, seed, prompt, prompts,
                   "max_new_tokens, sampling, offload, speculation, compile, huge_pages, allow_pickle, "
                   "trust_remote_code, check_lossless")
 OVERRIDE_FORM = ("an override must look like dotted.key=value (for example offload.expert_budget=0.25); "
-                 "allowed keys: see --explain")
+                 "allowed keys: python -m specter.run --explain")
 
 
 def error_of(source: object, overrides: object = (), **kwargs: object) -> str:
