@@ -9,6 +9,9 @@ Contract:
   call it with: the options and the context keywords its signature names (all of them with
   ``**kwargs``). Errors are one-line ``SpecterError``s starting with ``key``.
 - ``describe_options(factory, context)`` lists the options a factory takes, for ``--list-plugins``.
+- ``call_plugin(kind, plugin, method, ...)`` calls a plugin's method, turning an exception other
+  than ``SpecterError`` into a one-line ``SpecterError`` naming the recipe key (``specter.plugins``
+  exports it too, where the core imports it from).
 - ``hook_problem(manager, plugin)`` says why a registered object is no usable Specter plugin: a
   ``@hookimpl`` whose name is no hook (a misspelling, which pluggy alone accepts silently), or no
   ``@hookimpl`` at all (hook functions left unmarked); None when it is fine.
@@ -23,7 +26,7 @@ from typing import Any, Callable, Iterable
 import pluggy
 
 from specter.errors import SpecterError, bounded_repr
-from specter.hookspecs import HOOK_BY_KIND
+from specter.hookspecs import HOOK_BY_KIND, RECIPE_KEY_BY_KIND
 
 
 def hook_problem(manager: pluggy.PluginManager, plugin: object) -> str | None:
@@ -121,3 +124,17 @@ def _offered(signature: inspect.Signature | None, context: dict[str, Any]) -> di
 def _one_line(message: str) -> str:
     """``message`` on one line (its whitespace runs made single spaces)."""
     return " ".join(message.split())
+
+
+def call_plugin(kind: str, plugin: object, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``plugin.method(*args, **kwargs)``; an exception other than ``SpecterError`` becomes a
+    one-line ``SpecterError`` naming the recipe key, the plugin and the method (the original
+    chained behind it, which the CLI's ``--debug`` prints)."""
+    try:
+        return getattr(plugin, method)(*args, **kwargs)
+    except SpecterError:
+        raise
+    except Exception as error:
+        name = getattr(plugin, "name", None) or getattr(plugin, "kind", None) or type(plugin).__name__
+        raise SpecterError(_one_line(f"{RECIPE_KEY_BY_KIND.get(kind, kind)}: {kind} plugin {name!r} raised "
+                                     f"{type(error).__name__} in {method}(): {error}")) from error

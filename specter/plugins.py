@@ -42,7 +42,7 @@ import pluggy
 from specter import hookspecs, plugin_factories
 from specter.plugin_factories import _one_line
 from specter.errors import SpecterError, UnknownPluginError
-from specter.hookspecs import CONTEXT_KEYWORDS, HOOK_BY_KIND, KINDS, NAME_ATTRIBUTE, RECIPE_KEY_BY_KIND
+from specter.hookspecs import CONTEXT_KEYWORDS, HOOK_BY_KIND, KINDS, NAME_ATTRIBUTE
 
 BUILTIN_PLUGIN_MODULES = (
     "specter.policies", "specter.memory.links", "specter.predictors", "specter.decode.governors", "specter.decode.engines",
@@ -401,15 +401,4 @@ def format_plugin_list() -> str:
     return "\n".join(lines)
 
 
-def call_plugin(kind: str, plugin: object, method: str, *args: Any, **kwargs: Any) -> Any:
-    """``plugin.method(*args, **kwargs)``; an exception other than ``SpecterError`` becomes a
-    one-line ``SpecterError`` naming the recipe key, the plugin and the method (the original
-    chained behind it, which the CLI's ``--debug`` prints)."""
-    try:
-        return getattr(plugin, method)(*args, **kwargs)
-    except SpecterError:
-        raise
-    except Exception as error:
-        name = getattr(plugin, "name", None) or getattr(plugin, "kind", None) or type(plugin).__name__
-        raise SpecterError(_one_line(f"{RECIPE_KEY_BY_KIND.get(kind, kind)}: {kind} plugin {name!r} raised "
-                                     f"{type(error).__name__} in {method}(): {error}")) from error
+call_plugin = plugin_factories.call_plugin  # the core (cache, scheduler, speculative engine) calls plugins through it

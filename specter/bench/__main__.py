@@ -40,7 +40,7 @@ k values, governors and eager/compiled, interleaved and repeated. Writes <title>
 every cell has run. RECIPE is a bench recipe (title, run, sweep: see specter/bench/spec.py) or a
 plain run recipe, benched as one cell. The sweep options below replace the recipe's sweep keys.
 
-A quick check (seconds, not minutes):
+A quick check (about half a minute):
   python -m specter.bench recipes/bench-bundled.yaml --engines resident,specter --budgets 0.25 \\
     --links '{l: {kind: local}}' --k 4 --governors '' --compile eager --repeats 1 \\
     --warmup-tokens 4 --set max_prompts=1 --set max_new_tokens=8"""
