@@ -162,7 +162,7 @@ class PrefetchingEngine(OffloadedEngine):
     def engine_report(self) -> dict:
         report = super().engine_report()
         stats = self.scheduler.stats
-        report["prefetch_precision"] = self.cache.stats.prefetch_precision() if self.cache.stats.prefetch_issued else None
+        report["prefetch_precision"] = self.cache.stats.prefetch_precision()
         report["prediction"] = {
             "predictor": self.predictor.name,
             "recall": stats.recall(), "precision": stats.precision(),

@@ -1,5 +1,6 @@
 """``CacheStats``: what an ``ExpertCache`` counted (its module docstring defines each counter);
-``a - b`` and ``a + b`` work counter by counter (the counts of a stretch of decoding, their sums)."""
+``a - b`` and ``a + b`` work counter by counter (the counts of a stretch of decoding, their sums);
+``hit_rate()`` and ``prefetch_precision()`` are None where there is nothing to divide by."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ class CacheStats:
     bytes_transferred: int = 0
     transfer_wait_s: float = 0.0
 
-    def hit_rate(self) -> float:
+    def hit_rate(self) -> float | None:
+        """Hits over lookups; None where nothing was looked up (a rate of nothing, not 0)."""
         looked_up = self.hits + self.misses
-        return self.hits / looked_up if looked_up else 0.0
+        return self.hits / looked_up if looked_up else None
 
-    def prefetch_precision(self) -> float:
-        return self.prefetch_used / self.prefetch_issued if self.prefetch_issued else 0.0
+    def prefetch_precision(self) -> float | None:
+        """Prefetches used over prefetches issued; None where none was issued."""
+        return self.prefetch_used / self.prefetch_issued if self.prefetch_issued else None
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | None]:
         return asdict(self) | {"hit_rate": self.hit_rate()}
 
     def __sub__(self, other: CacheStats) -> CacheStats:
