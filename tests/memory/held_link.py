@@ -4,7 +4,7 @@ Contract: ``HeldLink``'s copies complete only through ``complete_all`` (or a blo
 records the slots in submission order; ``make_cache`` builds an ``ExpertCache`` of ``N_EXPERTS``
 tiny experts per layer over one; ``submitted_keys`` names the copies submitted; ``verify_round``
 runs verification's per-layer ``advance`` / acquire / release on a link fast enough that every
-copy lands before the next layer.
+copy lands before the next layer; ``spare_by_count`` counts the slots a prefetch may take.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from specter.memory.cache import ExpertCache
+from specter.memory.cache import ExpertCache, SlotState
 from specter.memory.link import Link, Tensors, Transfer
 from specter.policies import LRUPolicy
 from specter.policies.base import ExpertKey, Hint
@@ -98,3 +98,14 @@ def verify_round(cache: ExpertCache, link: HeldLink, scheduler: PrefetchSchedule
         cache.acquire(layer, experts)
         cache.release(layer, experts)
         link.complete_all()
+
+
+def spare_by_count(cache: ExpertCache) -> int:
+    """FREE slots and READY, unpinned, unprotected ones: what a prefetch may take (counted from the
+    cache's per-slot state, to check ``spare_slots()`` against)."""
+    protected = cache.protected_keys()
+    return sum(
+        1 for s in range(cache.n_slots)
+        if cache.state(s) is SlotState.FREE
+        or (cache.state(s) is SlotState.READY and cache.pin_count(s) == 0 and cache.key_in(s) not in protected)
+    )
