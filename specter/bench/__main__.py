@@ -50,10 +50,6 @@ python -m specter.bench plot BENCH.json [--out DIR]
   redraws the PNG plots of a bench's JSON file (next to it unless --out is given);
   see python -m specter.bench plot --help."""
 
-OPTIONS = {"engines": "--engines", "budgets": "--budgets", "links": "--links", "k": "--k", "governors": "--governors",
-           "compile": "--compile", "repeats": "--repeats", "warmup_tokens": "--warmup-tokens", "twins": "--twins"}
-
-
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose mistakes are one line on stderr, ``error: ...``, exit code 2."""
 
@@ -158,10 +154,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def naming_option(text: str, given: Iterable[str]) -> str:
     """``text`` (a ``load_bench`` mistake) naming the option where it is about a sweep key that
     the command line gave (``given``): ``sweep.repeats: ...`` -> ``--repeats (sweep.repeats): ...``."""
+    from specter.bench.spec import SWEEP_OPTIONS
+
     head, sep, rest = text.partition(": ")
     for key in given:
         if sep and (head == f"sweep.{key}" or head.startswith((f"sweep.{key}.", f"sweep.{key}["))):
-            return f"{OPTIONS[key]} ({head}): {rest}"
+            return f"{SWEEP_OPTIONS[key]} ({head}): {rest}"
     return text
 
 
@@ -174,17 +172,17 @@ def run(argv: list[str]) -> int:
 
     with deferred():  # torch, transformers: an interrupt inside an import leaves them half-initialised
         from specter.bench.output import prepare_out_dir
-        from specter.bench.spec import load_bench
+        from specter.bench.spec import SWEEP_OPTIONS, load_bench
         from specter.errors import SpecterError
 
-    sweep = {key: getattr(args, key) for key in OPTIONS if getattr(args, key) is not None}
+    sweep = {key: getattr(args, key) for key in SWEEP_OPTIONS if getattr(args, key) is not None}
     try:
         spec = load_bench(args.recipe, args.overrides, sweep)
         for key, instead in spec.unused:
             print(f"warning: {key} has no effect: the bench sets it in every cell; {instead}", file=sys.stderr)
         for key in ("k", "governors"):
             if sweep.get(key) and "specter" not in spec.engines:
-                print(f"warning: {OPTIONS[key]} has no effect: it makes specter rows, and the engines "
+                print(f"warning: {SWEEP_OPTIONS[key]} has no effect: it makes specter rows, and the engines "
                       f"({', '.join(spec.engines)}) leave specter out", file=sys.stderr)
         out_dir = args.out or Path("reports") / spec.title
         created = prepare_out_dir(out_dir)

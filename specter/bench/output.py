@@ -30,10 +30,8 @@ from collections.abc import Mapping
 from numbers import Real
 from pathlib import Path
 
+from specter.bench.plots import FIGURES, SCHEMA  # matplotlib itself is imported only when a figure is drawn
 from specter.errors import SpecterError
-
-SCHEMA = "specter.bench/2"
-FIGURES = ("tokens", "ratio-heatmap", "hit-rate", "io-wait", "acceptance-k", "roofline")  # plots.plot_all's names
 
 _ROW_MAPPINGS = ("decode_tokens_per_s", "ratios", "k_histogram", "phases", "governor_summary", "prefetch",
                  "link_stats", "offload")

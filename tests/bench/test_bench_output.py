@@ -76,13 +76,15 @@ def test_a_mistaken_sweep_option_names_the_option(tmp_path, capsys, measured, op
 
 
 def test_a_mistake_in_the_recipe_names_its_key(tmp_path, capsys, measured):
-    from specter.bench.__main__ import OPTIONS, naming_option
+    from specter.bench.__main__ import naming_option
     from specter.bench.spec import SWEEP_OPTIONS
 
     assert one_line_error(capsys, [recipe_file(tmp_path, repeats=0)]).startswith("error: sweep.repeats: expected")
     assert naming_option("sweep.k: needs one", ["budgets"]) == "sweep.k: needs one"
     assert naming_option("sweep.k[1]: 4 repeats", ["k"]) == "--k (sweep.k[1]): 4 repeats"
-    assert OPTIONS == SWEEP_OPTIONS
+    assert naming_option("sweep.warmup_tokens: at least 1", ["warmup_tokens"]) == (
+        f"{SWEEP_OPTIONS['warmup_tokens']} (sweep.warmup_tokens): at least 1")
+    assert SWEEP_OPTIONS["warmup_tokens"] == "--warmup-tokens"
 
 
 def test_warmup_tokens_replaces_the_recipes(tmp_path, measured):
