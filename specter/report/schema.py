@@ -97,7 +97,7 @@ def link_summary(engine) -> dict | None:
     link = getattr(engine, "link", None)
     if link is None:
         return None
-    return link_entry(link.describe())
+    return link.describe()  # build_report makes it a link_entry, as it does an engine's own
 
 
 def build_report(engine, metrics, result) -> dict:
@@ -133,7 +133,7 @@ def build_report(engine, metrics, result) -> dict:
     report["decode_step_s"] = metrics.decode_s / metrics.target_steps if metrics.target_steps else None
     report["phases"] = metrics.phase_report(report["model"]["n_moe_layers"])
     report.update(engine.engine_report())
-    report["link"] = link_entry(report["link"])  # an engine's own entry (hf-offload's reads) too
+    report["link"] = link_entry(report["link"])  # the link's, or the engine's own entry (hf-offload's reads)
     # decode-phase figures: transfer_wait_s, hit_rate and copies count the decode steps only
     looked_up = ((report.get("cache") or {}).get("decode") or {}).get("acquired_keys")
     if metrics.target_steps == 0 or looked_up == 0:

@@ -171,7 +171,8 @@ def test_every_link_entry_carries_the_design_keys(model):
 
 
 def test_hit_rate_is_null_where_no_decode_step_looked_an_expert_up(model):
-    """A cache's rate over zero lookups is 0.0 (``CacheStats.hit_rate``); the report says null."""
+    """An engine that reports a rate of 0.0 over zero lookups (as ``CacheStats.hit_rate`` did before
+    stop 73, and as a plugin engine still may): the report says null."""
     prefill_only = GenerationMetrics()  # max_new_tokens=1: the prefill's token, no decode step
     prefill_only.observe_prefill(4, 0.1)
     idle = {"hit_rate": 0.0, "transfer_wait_s": 0.0, "bytes_transferred": 4000, "decode_bytes_transferred": 0,
