@@ -71,9 +71,8 @@ def make_link(recipe, device: torch.device, store=None):
                            "in front of the disk)")
     if kind == "cuda" and device.type != "cuda":
         raise SpecterError(f"offload.link.kind: 'cuda' needs a CUDA device, but the device is {device}; use emulated or local")
-    options = {"gbps": spec.gbps, "latency_us": spec.latency_us} if kind == "emulated" else {}
-    options.update(spec.options)
-    link = registry().create("link", kind, options, key="offload.link.kind", expect=Link, device=device)
+    link = registry().create("link", kind, spec.factory_options(kind), key="offload.link.kind", expect=Link,
+                             device=device)
     if not tiered:
         return link
     from specter.memory.host_tier import HostTierLink

@@ -111,9 +111,7 @@ def check_plugin_names(recipe: Recipe) -> None:
         section = sections.get(choice.kind)
         if section is None or (choice.kind, choice.name) == ("link", AUTO_LINK):
             continue
-        options = dict(section.options)
-        if choice.kind == "link" and choice.name == "emulated":
-            options = {"gbps": section.gbps, "latency_us": section.latency_us, **options}
+        options = section.factory_options(choice.name) if choice.kind == "link" else section.options
         plugins.check_options(choice.kind, choice.name, options, key=choice.key)
 
 

@@ -87,6 +87,12 @@ class LinkConfig(_Section):
                                **_at_least(0, "a number"))
     options: dict = _field("further keyword arguments for the link's factory", factory=dict)
 
+    def factory_options(self, kind: str) -> dict:
+        """The options link ``kind``'s factory receives: ``options``, and for the built-in ``emulated``
+        link ``gbps`` and ``latency_us`` before them (``options`` may override them)."""
+        paced = {"gbps": self.gbps, "latency_us": self.latency_us} if kind == "emulated" else {}
+        return {**paced, **self.options}
+
 
 @dataclass(frozen=True)
 class CachePolicyConfig(_Section):
