@@ -4,7 +4,8 @@ Contract: ``build_report(engine, metrics, result)`` returns a JSON-serialisable 
 key of the schema in ../shared/DESIGN.md ("Report"); a figure that does not apply to the engine
 is ``None``; beside them ``page_placement``, what settling this process's large buffers found
 (``specter.memory.page_placement.stats``). ``format_summary(report)`` renders the short table the
-CLI prints (a "slow memory swapped" row where any buffer was timed).
+CLI prints (a "round time" row where speculative rounds ran: each phase's share of their time;
+a "slow memory swapped" row where any buffer was timed).
 
 What the keys mean (``metrics``: ``specter.report.metrics.GenerationMetrics``):
 - ``decode_tokens_per_s``: tokens emitted by decode steps (each prompt's first token, from the
@@ -166,6 +167,25 @@ def _governor_text(governor: dict | None) -> str:
     return f"{governor.get('name')} ({at}{error:.1%} median" + ("" if total is None else f", {total:.1%} total") + ")"
 
 
+def _phases_text(phases: dict | None) -> str | None:
+    """Where the speculative rounds' time went: each phase's share of the rounds' time (the
+    verification's transfer wait, part of its share, as a share too) and the draft step's mean;
+    None without rounds."""
+    if not phases or not phases.get("rounds"):
+        return None
+    parts = {name: phases.get(f"{name}_s") or 0.0 for name in ("draft", "flush", "verify", "host")}
+    total = sum(parts.values())
+    if total <= 0:
+        return None
+    step = phases.get("draft_step_s")
+    wait = phases.get("verify_io_wait_s") or 0.0
+    return (f"draft {parts['draft'] / total:.0%}"
+            + ("" if step is None else f" ({step * 1e3:.2f} ms a step)")
+            + f", flush {parts['flush'] / total:.0%}, verify {parts['verify'] / total:.0%}"
+            + (f" (transfer wait {wait / total:.0%})" if wait > 0 else "")
+            + f", host {parts['host'] / total:.0%}; {phases['rounds']} rounds")
+
+
 def format_summary(report: dict) -> str:
     budget = report.get("expert_budget") or {}
     link = report.get("link") or {}
@@ -198,6 +218,9 @@ def format_summary(report: dict) -> str:
         ("governor (round-time prediction error)", _governor_text(report.get("governor"))),
         ("lossless (vs resident greedy)", _fmt(report["lossless"])),
     ]
+    phases = _phases_text(report.get("phases"))
+    if phases:
+        rows.insert(len(rows) - 1, ("round time (decode)", phases))  # beside the governor, before lossless
     placement = report.get("page_placement") or {}
     if placement.get("pieces"):
         slow = placement.get("slow", 0)

@@ -218,3 +218,21 @@ def test_real_engines_report_the_design_keys(tiny_mixtral):
     assert report["offload"]["tier"] == "disk"  # a quarter of the experts on device: accelerate reads the rest
     assert list(report["link"])[:4] == ["kind", "gbps", "latency_us", "emulated"], report["link"]
     assert report["link"]["kind"] == "accelerate-disk-offload" and report["link"]["emulated"] is False
+
+
+def test_the_summary_says_where_the_rounds_time_went(model):
+    """A speculative run's summary has a row of the rounds' phases (shares of their time, the
+    verification's transfer wait among them, the mean draft step); a plain run has none."""
+    report = build_report(StandIn(model), speculative_metrics(), RESULT)
+    assert "round time" not in format_summary(dict(report, phases=None))
+    phases = {"rounds": 3, "draft_s": 0.2, "flush_s": 0.01, "verify_s": 0.7, "host_s": 0.09,
+              "verify_io_wait_s": 0.25, "draft_step_s": 0.0125}
+    lines = format_summary(dict(report, phases=phases)).splitlines()
+    row = next(line for line in lines if line.startswith("round time (decode)"))
+    assert row.rstrip().endswith("draft 20% (12.50 ms a step), flush 1%, verify 70% (transfer wait 25%), "
+                                 "host 9%; 3 rounds")
+    assert lines.index(row) == next(i for i, line in enumerate(lines) if line.startswith("lossless")) - 1
+    no_wait = dict(phases, verify_io_wait_s=0.0, draft_step_s=None)
+    row = next(line for line in format_summary(dict(report, phases=no_wait)).splitlines()
+               if line.startswith("round time"))
+    assert row.rstrip().endswith("draft 20%, flush 1%, verify 70%, host 9%; 3 rounds")
