@@ -7,7 +7,10 @@ Contract:
   string, or None (none).
 - ``run_recipe(recipe, overrides=())`` does what ``python -m specter.run`` does: generate for the
   recipe's prompts and, for greedy runs of a non-resident engine with ``check_lossless``, compare
-  the tokens with the ``resident`` engine's and set ``report["lossless"]``.
+  the tokens with the ``resident`` engine's and set ``report["lossless"]``; the engine is let go
+  of (collected, and CUDA's cached blocks freed) before the reference loads, and where the whole
+  model does not fit the device (``torch.OutOfMemoryError``) the check is skipped with a warning:
+  ``lossless`` None and ``lossless_skipped`` saying why.
 - ``offload(model, expert_budget=..., link=..., cache_policy=...)`` turns an already loaded
   transformers MoE model into an offloaded one in place (accelerate style): experts move to a
   host store, a device cache serves them, and the user's own ``model.generate`` keeps working
@@ -26,6 +29,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -80,15 +84,35 @@ def run_recipe(
     finally:
         engine.close()
     if recipe.engine != "resident" and recipe.check_lossless and recipe.sampling.temperature == 0:
+        device = torch.device(getattr(engine, "device", "cpu"))
+        del engine  # its weights, cache slots and draft go before the whole model loads beside them
+        _free_memory(device)
         say("checking losslessness against the resident engine ...")
-        reference_engine = build_engine(as_recipe(recipe, ["engine=resident", "compile=false"]))  # the eager reference
-        reference = reference_engine.generate(prompts)
-        reference_engine.close()
+        try:
+            reference_engine = build_engine(as_recipe(recipe, ["engine=resident", "compile=false"]))  # eager
+            try:
+                reference = reference_engine.generate(prompts)
+            finally:
+                reference_engine.close()
+        except torch.OutOfMemoryError as error:  # the whole model does not fit where the experts were offloaded from
+            _free_memory(device)
+            reason = f"the resident reference did not fit on {device}: {' '.join(str(error).split())[:200]}"
+            say(f"warning: lossless check skipped: {reason}")
+            result.report["lossless"] = None
+            result.report["lossless_skipped"] = reason
+            return result
         mismatch = first_mismatch(result.token_ids, reference.token_ids)
         result.report["lossless"] = mismatch is None
         result.report["lossless_first_mismatch"] = mismatch
         result.report["resident_decode_tokens_per_s"] = reference.report["decode_tokens_per_s"]
     return result
+
+
+def _free_memory(device: torch.device) -> None:
+    """Collect what was let go of and, on CUDA, hand the allocator's cached blocks back."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @dataclass

@@ -323,3 +323,45 @@ def test_cli_quickstart_with_the_bundled_model(tmp_path):
     assert report["decode_tokens_per_s"] > 0
     text = report["outputs"][0]["text"]
     assert text and text in stdout
+
+
+def test_run_recipe_lets_the_engine_go_before_the_reference_loads(checkpoint, monkeypatch):
+    """The offloaded engine (weights, cache slots, draft) is collected before the whole model loads
+    for the lossless check, so the two never share the device's memory."""
+    import weakref
+
+    import specter.api as api
+
+    real_build, built = api.build_engine, []
+
+    def build(recipe_):
+        if recipe_.engine == "resident":
+            assert built and built[0]() is None, "the offloaded engine is still alive"
+        engine = real_build(recipe_)
+        built.append(weakref.ref(engine))
+        return engine
+
+    monkeypatch.setattr(api, "build_engine", build)
+    assert run_recipe(recipe(checkpoint, "ondemand")).report["lossless"] is True
+    assert len(built) == 2
+
+
+def test_run_recipe_skips_the_check_where_the_whole_model_does_not_fit(checkpoint, monkeypatch):
+    """A reference that runs out of device memory (CUDA's OutOfMemoryError) leaves the run's own
+    result: lossless None, the reason in ``lossless_skipped`` and in a warning."""
+    import specter.api as api
+
+    real_build = api.build_engine
+
+    def build(recipe_):
+        if recipe_.engine == "resident":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_build(recipe_)
+
+    monkeypatch.setattr(api, "build_engine", build)
+    said: list[str] = []
+    result = run_recipe(recipe(checkpoint, "ondemand"), progress=said.append)
+    report = result.report
+    assert report["lossless"] is None and [len(ids) for ids in result.token_ids] == [8, 8]
+    assert report["lossless_skipped"].startswith("the resident reference did not fit on cpu: CUDA out of memory")
+    assert any(line.startswith("warning: lossless check skipped: the resident reference did not fit") for line in said)
