@@ -218,7 +218,8 @@ def offload(
     n_slots = slots_for_budget(recipe, views, max(m.top_k for m in moe_layers(model)))
     policy = registry().create("cache_policy", cache_policy, {}, key="cache_policy")
     the_link = make_link(recipe, device)
-    layers, store = split_experts(model, pin=device.type == "cuda")  # blocked where expert_layout chooses
+    # blocked where expert_layout chooses for the device that computes (the cache's, not the experts' own)
+    layers, store = split_experts(model, pin=device.type == "cuda", device=device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     cache = ExpertCache(store, n_slots, device, the_link, policy)

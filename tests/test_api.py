@@ -365,3 +365,22 @@ def test_run_recipe_skips_the_check_where_the_whole_model_does_not_fit(checkpoin
     assert report["lossless"] is None and [len(ids) for ids in result.token_ids] == [8, 8]
     assert report["lossless_skipped"].startswith("the resident reference did not fit on cpu: CUDA out of memory")
     assert any(line.startswith("warning: lossless check skipped: the resident reference did not fit") for line in said)
+
+
+def test_offload_chooses_the_store_layout_for_the_device_that_computes(monkeypatch):
+    """The store's layout (blocked or not) is chosen for the cache's device, where the experts are
+    computed, not for wherever the experts sat (a model with its experts left on the CPU and the
+    rest on a GPU must not get the CPU's blocked layout in its GPU slots)."""
+    import specter.model.loader as loader
+
+    real_split, seen = loader.split_experts, []
+
+    def split(model, pin, device=None):
+        seen.append(device)
+        return real_split(model, pin, device=device)
+
+    monkeypatch.setattr(loader, "split_experts", split)
+    model = random_model("mixtral", seed=0)
+    handle = specter.offload(model, expert_budget=0.5, link="local")
+    assert seen == [handle.cache.device]
+    handle.remove()

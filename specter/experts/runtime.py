@@ -57,6 +57,7 @@ from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_f
 from specter.kernels.grouped_experts import (PairsByExpert, PairsBySlot, grouped_experts, is_silu_glu, supports,
                                              takes_native)
 from specter.model.expert_layout import block_module, chooses_blocked, is_blocked, mark
+from specter.errors import SpecterError
 from specter.model.layout import MoELayer
 
 IMPLEMENTATION_NAME = "specter"
@@ -82,6 +83,9 @@ def _grouped_experts_forward(
     ``SlotView`` there): Specter's grouped kernel on a CPU for the layouts it covers, else
     transformers' own grouped-GEMM math."""
     if hidden_states.device.type != "cpu" or not supports(self):
+        if is_blocked(self):  # transformers' math would read the blocked bits as the standard layout
+            raise SpecterError(f"experts stored blocked (a CPU layout, specter.model.expert_layout) cannot be "
+                               f"computed on {hidden_states.device}: build the store for the device that computes")
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return grouped_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                            self._apply_gate, is_blocked(self))

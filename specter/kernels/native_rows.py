@@ -78,7 +78,8 @@ PREFETCH_MIN_ROWS = 4
 def serves(x: Tensor, *weights: Tensor) -> bool:
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return False
-    if any(w.dtype != torch.float32 or not w.is_contiguous() or w.shape[-1] % ALIGN for w in weights):
+    if any(w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.shape[-1] % ALIGN
+           for w in weights):
         return False
     return native.available()
 

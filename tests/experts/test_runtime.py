@@ -96,3 +96,22 @@ def test_a_layer_whose_experts_are_all_ready_is_one_native_wave_with_the_bits_of
             # waves: the whole layer in one PairsByExpert call; without waves, the one-pass kernel
             assert waves_computed == ([needed] if waves else [])
     assert torch.equal(outputs[True], outputs[False])
+
+
+def test_blocked_experts_are_refused_off_the_cpu_rather_than_read_as_the_standard_layout():
+    """Off the CPU the slot math is transformers' own, which would read blocked bits (a CPU
+    layout) as [out, in] weights: a clear error instead of wrong numbers."""
+    import pytest
+
+    from specter.errors import SpecterError
+    from specter.experts.runtime import _grouped_experts_forward
+    from specter.model.expert_layout import mark
+
+    class Blocked:
+        pass
+
+    view = Blocked()
+    mark(view, True)
+    hidden = torch.empty(3, 64, device="meta")
+    with pytest.raises(SpecterError, match="experts stored blocked .* cannot be computed on meta"):
+        _grouped_experts_forward(view, hidden, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))

@@ -156,6 +156,7 @@ def test_serves_only_float32_cpu_weights_it_can_tile(monkeypatch) -> None:
     assert not native_rows.serves(x, torch.randn(3, 8, 24))  # K not a multiple of 16
     assert not native_rows.serves(x.bfloat16(), torch.randn(3, 8, 32).bfloat16())
     assert not native_rows.serves(x, torch.randn(3, 32, 8).transpose(1, 2))  # not contiguous
+    assert not native_rows.serves(x, torch.randn(3, 8, 32), torch.empty(3, 32, 16, device="meta"))  # off the CPU
     monkeypatch.setattr(native, "available", lambda: False)
     assert not native_rows.serves(x, torch.randn(3, 8, 32))
 
