@@ -336,3 +336,31 @@ def test_any_number_of_cache_sizes_compile_in_one_process(zoo_mixtral, eager_res
         assert [o["token_ids"] for o in report["outputs"]] == eager_resident, eighths
         assert report["compile"]["late_graphs"] == 0
         engine.close()
+
+
+@pytest.mark.parametrize("engine_name", [pytest.param("ondemand", marks=pytest.mark.slow), "specter"])
+def test_the_cuda_shaped_cache_path_keeps_the_eager_tokens_on_a_cpu(zoo_mixtral, eager_resident, engine_name):
+    """What a CUDA device runs (the GPU tests' path, which CI never has): no host call from a graph,
+    so a fused cache step drains the link, reruns layered when an expert is missing and replays the
+    cache's bookkeeping after; ``specter`` drafts through the compiled draft graph. On a CPU with
+    ``cuda_graphs=True``: eager ``resident``'s tokens, the same cache bookkeeping as the eager
+    engine, misses rerun layered, no graph after warm-up."""
+    synchronous = {"kind": "local", "options": {"copy_thread": False}}
+    eager = specter.load(recipe(zoo_mixtral, engine_name, compile=False, k=3, link=synchronous))
+    eager_report = eager.generate(PROMPTS).report
+    engine = specter.load(recipe(zoo_mixtral, engine_name, compile=False, k=3, link=synchronous))
+    engine.lean_draft = None  # as on CUDA, where the native row kernels do not serve
+    decoder = compile_engine(engine, cuda_graphs=True)
+    assert decoder.cuda_graphs and not decoder.host_layers and decoder.lean_step is None
+    report = engine.generate(PROMPTS).report
+    assert [o["token_ids"] for o in report["outputs"]] == eager_resident
+    for key in ("hits", "misses", "demand_loads", "evictions"):
+        assert report["cache"]["decode"][key] == eager_report["cache"]["decode"][key], key
+    stats = engine.cache.stats
+    assert stats.hits + stats.misses == stats.acquired_keys
+    compiled = report["compile"]
+    assert compiled["late_graphs"] == 0 and compiled["fused_misses"] > 0
+    if engine_name == "specter":
+        assert report["draft"]["step"] == "compiled" and compiled["draft_steps"] > 0 and compiled["fused_steps"] > 0
+    eager.close()
+    engine.close()
