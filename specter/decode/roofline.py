@@ -44,8 +44,10 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
 - ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K``, since stop 57;
   the frontier below reaches wide k only where they are measured to pay) with the highest predicted
   tokens/s (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if
-  set) and within ``frontier()``: at most twice the widest k measured, or ``FRONTIER_STEP`` beyond
-  it where that is further, so wider ones are reached step by step, each measured before the next
+  set; where none does, the one with the lowest latency a token) and within ``frontier()``: at
+  most twice the widest k measured or ``k0`` (the k the governor starts with, whose round, the
+  first after a prefill, is never measured; a user's starting k says how wide it may begin),
+  whichever is wider, or ``FRONTIER_STEP`` beyond it where that is further, so wider ones are reached step by step, each measured before the next
   is extrapolated (a fit through widths that fit the cache cannot see the cost that jumps once a
   round's experts stop fitting; doubling, not two at a time, since stop 57), except where even a
   round of ``FRONTIER_STEP`` drafts streams (more distinct experts per layer than
@@ -82,7 +84,7 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   through a trial (a fused verification draining every transfer, 2x the layered one at width 5)
   would otherwise be judged by it and not chosen again (compiled, 50% on ``local``: 20 plain rounds).
 - ``table()`` gives, for every k, the expected accepted tokens, predicted round time and tokens/s;
-  ``predicted_round_s`` is the prediction for the k last returned (None while calibrating).
+  ``predicted_round_s`` is the prediction for the k last returned (None while nothing can price it yet).
 Switching speculation off (k = 0 chosen, not probed) or back on is logged once per switch
 (logger ``specter.governor``).
 """
@@ -156,8 +158,10 @@ class RooflineGovernor(Governor):
     def verify_s(self, width: int) -> float | None:
         """Predicted flush + verify seconds of a width-T pass. A plain round (T = 1, nothing
         drafted, so no transfer hidden behind a draft) is its own moving average; drafted widths
-        follow ``self.cost`` (``VerifyCost``). Before any drafted round, widths scale from T = 1 by
-        distinct experts, and with no measurement at all from the draft step (``draft_ratio``)."""
+        follow ``self.cost`` (``VerifyCost``), whose curve starts at T = 2: a plain round with no
+        average of its own yet (its rounds were compiled-path trials) is T = 2 scaled down by
+        distinct experts. Before any drafted round, widths scale from T = 1 by distinct experts,
+        and with no measurement at all from the draft step (``draft_ratio``)."""
         u = self._distinct(width) / self._distinct(1)
         if width == 1 and self.plain.value is not None:
             return max(self.plain.value, self._plain_floor())
@@ -166,6 +170,8 @@ class RooflineGovernor(Governor):
             now = (self.rounds, self._changed_at)
             wait = (self.wait.by_width(width, *now, distinct=self._distinct) if self.always_streams()
                     else self.wait.value(*now, self.prompt_round, width, distinct=self._distinct))
+            if width == 1:  # no plain average yet: the narrowest drafted width, by distinct experts
+                return curve[2] * self._distinct(1) / self._distinct(2) + (wait or 0.0)
             return curve[min(width, len(curve) - 1)] + width * (wait or 0.0)
         if self.plain.value is not None:
             return self.plain.value * u
@@ -200,9 +206,9 @@ class RooflineGovernor(Governor):
         return capacity is not None and self._distinct(FRONTIER_STEP + 1) > capacity
 
     def frontier(self) -> int:
-        """The widest k that may be chosen or probed now: twice the widest k measured (``k0``
-        before any was), at least ``FRONTIER_STEP`` beyond it; ``k_max`` where ``always_streams``
-        (no cliff ahead)."""
+        """The widest k that may be chosen or probed now: twice the wider of the widest k measured
+        and ``k0``, at least ``FRONTIER_STEP`` beyond it; ``k_max`` where ``always_streams`` (no
+        cliff ahead)."""
         if self.always_streams():
             return self.k_max
         measured = [t for t in self.verify_round if t > 1]
@@ -210,17 +216,21 @@ class RooflineGovernor(Governor):
         return min(self.k_max, max(widest + FRONTIER_STEP, 2 * widest))
 
     def best_k(self) -> int | None:
-        best, best_rate, rows, frontier = None, -1.0, self.table(), self.frontier()
+        best, best_rate, fastest, fastest_rate, rows, frontier = None, -1.0, None, -1.0, self.table(), self.frontier()
         for row in rows:
             rate = row["predicted_tokens_per_s"]
             if rate is None:
                 return None
             if row["k"] > frontier:
                 break
-            if self.max_latency_ms is not None and 1e3 / rate > self.max_latency_ms and best is not None:
+            if rate > fastest_rate:
+                fastest, fastest_rate = row["k"], rate
+            if self.max_latency_ms is not None and 1e3 / rate > self.max_latency_ms:
                 continue
             if rate > best_rate:
                 best, best_rate = row["k"], rate
+        if best is None:  # no k meets max_latency_ms: the one nearest to it, the lowest latency a token
+            best, best_rate = fastest, fastest_rate
         held = self.probes.last_best
         if best is not None and held is not None and held != best:  # held <= frontier: it never narrows
             rate = rows[held]["predicted_tokens_per_s"]
@@ -299,7 +309,8 @@ class RooflineGovernor(Governor):
             self.probes.soon(self.rounds, later=False)
         if verdict == CHANGE and not self._calibration:
             neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
-            self._calibration = [c for c in neighbours if c != drafted]
+            # a plain neighbour twice: the first, right after a drafted round, is warm (see next_k)
+            self._calibration = [v for c in neighbours if c != drafted for v in ([0, 0] if c == 0 else [c])]
 
     def _judge(self, drafted: int, timings: dict, transition: bool, place: int) -> str:
         """Records the round's measured time and, for a chosen round, ``RoundWatch``'s verdict on

@@ -22,7 +22,8 @@ Contract (pure functions but ``ProbeSchedule``; ``specter.decode.roofline`` hold
   probes instead of the chosen ``best`` (None: none yet): after ``every`` rounds, then twice as
   long each time while ``best`` stays the same (at most ``MAX_PROBE_BACKOFF`` x ``every``;
   ``OFF_PROBE_BACKOFF`` x while it is 0, speculation off: one unlucky probe must not leave a good
-  draft unused for 8 x), back to ``every`` when it changes; ``count`` probes so far, ``last_best``
+  draft unused for 8 x), back to ``every`` when it changes (and when it changes to 0, the next
+  probe no later than ``every`` rounds on, however far the last interval had put it); ``count`` probes so far, ``last_best``
   the choice it last saw. ``soon(now)``: the next probe two rounds on; ``soon(now, later=False)``:
   no later than that; ``restart(now)``: ``every`` rounds on, as at the start.
 Why the drafted widths once each: a cold run (the main job: one generation, the calibration
@@ -77,6 +78,8 @@ class ProbeSchedule:
     def due(self, now: int, best: int | None) -> bool:
         if best != self.last_best:  # conditions moved: look around more often again
             self.interval, self.last_best = self.every, best
+            if best == 0:  # speculation just went off: the next probe within ``every``, not 8 x away
+                self.next = min(self.next, now + self.every)
         if now < self.next:
             return False
         self.next = now + self.interval

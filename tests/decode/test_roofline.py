@@ -102,7 +102,9 @@ def test_latency_cap_limits_k():
     free = settled(drive(RooflineGovernor(k=4), machine, 100))
     capped_governor = RooflineGovernor(k=4, max_latency_ms=1.0)  # impossible: take the fastest per token
     drive(capped_governor, machine, 100)
-    assert free >= 1 and capped_governor.best_k() is not None
+    latency = {row["k"]: 1 / row["predicted_tokens_per_s"] for row in capped_governor.table()
+               if row["k"] <= capped_governor.frontier()}
+    assert free >= 1 and capped_governor.best_k() == min(latency, key=latency.get) != 0
 
 
 def test_registered_and_built_with_the_engine_context():
@@ -414,3 +416,42 @@ def test_unless_given_k_max_is_the_widest_k_the_engines_allow():
         RooflineGovernor(k=20, k_max=8, cache_slots_per_layer=8.0)
     with pytest.raises(ValueError, match="k_max"):
         RooflineGovernor(k_max=0)
+
+
+def test_a_plain_round_without_an_average_of_its_own_is_priced_from_the_narrowest_drafted_width():
+    """The calibration's plain rounds may both be compiled-path trials (not measured): k = 0 is then
+    priced as width 2 scaled by distinct experts, not as free (the fit's curve starts at width 2)."""
+    machine = Machine(0.6, 0.0)
+    governor = RooflineGovernor(k=4, k_max=8)
+    for _ in range(8):
+        k = governor.next_k()
+        accepted, timings = machine.round(k)
+        governor.observe(drafted=k, accepted=accepted, path_trial=k == 0, **timings)
+    assert governor.plain.value is None
+    true_plain = machine.round(0)[1]["verify_s"]
+    assert governor.verify_s(1) == pytest.approx(true_plain, rel=0.25)
+    rates = [row["predicted_tokens_per_s"] for row in governor.table()]
+    assert rates[0] < 2 * max(rates[1:])
+
+
+def test_a_change_of_conditions_next_to_k_1_measures_the_plain_round_cold_too():
+    """A change found at k = 1 calibrates its neighbours again; the plain one twice, as a plain
+    probe is: the first, right after a drafted round, finds the draft's prefetches cached (warm),
+    and alone it would be the plain round's whole average."""
+    governor = RooflineGovernor(k=1, k_max=8, probe_every=12)
+    previous = 0
+    for round_ in range(1, 104):
+        scale = 3.0 if round_ >= 100 else 1.0
+        k = governor.next_k()
+        experts = distinct_experts(k + 1, 16, 2) * 4
+        verify = experts * 0.5e-3 * scale * (0.25 if k == 0 and previous else 1.0)  # warm after a drafted round
+        steps = k + 1 if k else 0
+        timings = {"draft_s": steps * 1e-3 * scale, "flush_s": 0.0, "verify_s": verify, "host_s": 10e-3 * scale,
+                   "draft_steps": steps}
+        timings["round_s"] = timings["draft_s"] + verify + timings["host_s"]
+        governor.observe(drafted=k, accepted=min(k, 1), **timings)
+        if round_ == 101:
+            assert governor._changed_at == 100 and governor._calibration[:2] == [0, 0]
+        previous = k
+    cold, warm = 4 * 0.5e-3 * 3 * 2, 4 * 0.5e-3 * 3 * 2 * 0.25  # a plain round's experts: 2 a layer x 4
+    assert governor.plain.samples == 2 and governor.plain.value > (warm + cold) / 2 * 0.9

@@ -77,3 +77,14 @@ def test_probes_back_off_while_the_choice_stays_and_less_while_speculation_is_of
     assert schedule.next == 47 and schedule.interval == 8
     schedule.soon(50, later=False)
     assert schedule.next == 47
+
+
+def test_speculation_switched_off_is_probed_within_every_rounds_however_long_the_last_interval():
+    """After a long steady choice the next probe can be 8 x ``every`` away; a switch to k = 0 pulls
+    it in, so a draft that got good again waits at most ``every`` rounds for its first probe."""
+    schedule = ProbeSchedule(8)
+    due = [now for now in range(200) if schedule.due(now, 6)]
+    assert due[-1] - due[-2] == 64 and schedule.next > 250
+    off_at = 205
+    first_off_probe = next(now for now in range(off_at, 400) if schedule.due(now, 0))
+    assert first_off_probe <= off_at + 8
