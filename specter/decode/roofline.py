@@ -44,10 +44,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
 - ``next_k()`` returns the k in ``[0, k_max]`` (``k_max`` unless given: ``MAX_K``, since stop 57;
   the frontier below reaches wide k only where they are measured to pay) with the highest predicted
   tokens/s (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if
-  set; where none does, the one with the lowest latency a token) and within ``frontier()``: at
-  most twice the widest k measured or ``k0`` (the k the governor starts with, whose round, the
-  first after a prefill, is never measured; a user's starting k says how wide it may begin),
-  whichever is wider, or ``FRONTIER_STEP`` beyond it where that is further, so wider ones are reached step by step, each measured before the next
+  set; if none does, the lowest latency a token) and within ``frontier()``: at most twice the
+  wider of the widest k measured and ``k0`` (the start, whose first round is never measured), or
+  ``FRONTIER_STEP`` beyond it where that is further, so wider ones are reached step by step, each measured before the next
   is extrapolated (a fit through widths that fit the cache cannot see the cost that jumps once a
   round's experts stop fitting; doubling, not two at a time, since stop 57), except where even a
   round of ``FRONTIER_STEP`` drafts streams (more distinct experts per layer than
@@ -61,12 +60,12 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   among those predicted within ``FAR_PROBE_RANGE`` of the best rate, k = 0 first when its own
   average is older than ``STALE_HALF_LIFE`` rounds), so that it notices when conditions change:
   after ``probe_every`` rounds, then twice as long each time while its choice stays the same (at
-  most 8 x ``probe_every``; 4 x while speculation is off: ``roofline_probe.ProbeSchedule``), back to
-  ``probe_every`` when the choice changes, and two rounds
-  after a probe whose first draft token was accepted (or rejected) against the odds, a probe
-  that kept every draft while speculation is off (it also makes the acceptance estimate restart
-  from its value, so the next observations move it fast and a draft that got good again is seen
-  within a few probes), or a chosen round that ``RoundWatch`` (``specter.decode.roofline_watch``)
+  most 8 x ``probe_every``; 4 x while speculation is off: ``roofline_probe.ProbeSchedule``), back
+  to ``probe_every`` when the choice changes, and two rounds after a probe whose first draft token
+  was accepted (or rejected) against the odds, a probe that kept every draft while speculation is
+  off (it also makes the acceptance estimate restart from its value, so the next observations
+  move it fast and a draft that got good again is seen within a few probes), or a chosen round
+  that ``RoundWatch`` (``specter.decode.roofline_watch``)
   finds off its prediction beyond the usual miss. Two rounds in a row far off the same way (a
   lone one is held back, unlearnt, and dropped if the next runs as predicted; not a drafted
   round whose place in its prompt has no waits of its own yet: ``_judge``) mark a change of
@@ -158,10 +157,9 @@ class RooflineGovernor(Governor):
     def verify_s(self, width: int) -> float | None:
         """Predicted flush + verify seconds of a width-T pass. A plain round (T = 1, nothing
         drafted, so no transfer hidden behind a draft) is its own moving average; drafted widths
-        follow ``self.cost`` (``VerifyCost``), whose curve starts at T = 2: a plain round with no
-        average of its own yet (its rounds were compiled-path trials) is T = 2 scaled down by
-        distinct experts. Before any drafted round, widths scale from T = 1 by distinct experts,
-        and with no measurement at all from the draft step (``draft_ratio``)."""
+        follow ``self.cost`` (``VerifyCost``; a plain round without its own average yet, its rounds
+        trials, is T = 2 scaled by distinct experts). Before any drafted round, widths scale from
+        T = 1 by distinct experts, and with no measurement at all from the draft step."""
         u = self._distinct(width) / self._distinct(1)
         if width == 1 and self.plain.value is not None:
             return max(self.plain.value, self._plain_floor())
@@ -170,7 +168,7 @@ class RooflineGovernor(Governor):
             now = (self.rounds, self._changed_at)
             wait = (self.wait.by_width(width, *now, distinct=self._distinct) if self.always_streams()
                     else self.wait.value(*now, self.prompt_round, width, distinct=self._distinct))
-            if width == 1:  # no plain average yet: the narrowest drafted width, by distinct experts
+            if width == 1:
                 return curve[2] * self._distinct(1) / self._distinct(2) + (wait or 0.0)
             return curve[min(width, len(curve) - 1)] + width * (wait or 0.0)
         if self.plain.value is not None:
@@ -206,9 +204,8 @@ class RooflineGovernor(Governor):
         return capacity is not None and self._distinct(FRONTIER_STEP + 1) > capacity
 
     def frontier(self) -> int:
-        """The widest k that may be chosen or probed now: twice the wider of the widest k measured
-        and ``k0``, at least ``FRONTIER_STEP`` beyond it; ``k_max`` where ``always_streams`` (no
-        cliff ahead)."""
+        """The widest k that may be chosen or probed now (see the module's contract); ``k_max``
+        where ``always_streams`` (no cliff ahead)."""
         if self.always_streams():
             return self.k_max
         measured = [t for t in self.verify_round if t > 1]
@@ -229,7 +226,7 @@ class RooflineGovernor(Governor):
                 continue
             if rate > best_rate:
                 best, best_rate = row["k"], rate
-        if best is None:  # no k meets max_latency_ms: the one nearest to it, the lowest latency a token
+        if best is None:  # no k meets max_latency_ms
             best, best_rate = fastest, fastest_rate
         held = self.probes.last_best
         if best is not None and held is not None and held != best:  # held <= frontier: it never narrows
