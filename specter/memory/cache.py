@@ -21,11 +21,14 @@ Contract:
 - All state lives on the caller's thread. A link may complete transfers on another thread; the
   cache only reads ``Transfer.done()`` there, promoting finished LOADING slots in ``poll()``.
 - Faults: every wait on a transfer has a deadline (``transfer_timeout_s``); a transfer still
-  incomplete then ends the run with a ``SpecterError`` naming the expert and the link (a stalled
-  link). A transfer whose copy failed, or (with ``verify_copies``) whose bytes arrived wrong
-  (checksums of the slot against the host store), is reloaded once by a direct copy from the store
-  (``stats.reloads``) with one warning per run; a reload that is wrong too, or more than
-  ``copy_repair.MAX_RELOADS`` of them in one cache's life, is a ``SpecterError`` naming the link.
+  incomplete then is a ``SpecterError`` naming the expert and the link (a stalled link), the copy
+  left in flight for a later wait. A transfer whose copy failed, or (with ``verify_copies``) whose
+  bytes arrived wrong (checksums of the slot against the host store), is reloaded once by a direct
+  copy from the store (``stats.reloads``) with one warning per run; a reload that fails or is
+  wrong too, or more than ``copy_repair.MAX_RELOADS`` of them in one cache's life, is a
+  ``SpecterError`` naming the link. A copy that could not start, or whose reload failed, frees its
+  slot (once unpinned): the key is loaded afresh when next asked for, never handed out unwritten.
+  An ``acquire`` that raises gives back the pins it took.
 
 Counting (``CacheStats``), per distinct key of each ``acquire``: a *hit* needed no new transfer
 (the key was READY or LOADING), a *miss* started a demand load. ``prefetch_used`` counts prefetched
@@ -91,6 +94,7 @@ class ExpertCache:
         self._pins: list[int] = [0] * n_slots
         self._slot_of: dict[ExpertKey, int] = {}
         self._loading: dict[int, Transfer] = {}
+        self._broken: set[int] = set()  # LOADING slots whose copy and repair failed: freed when unpinned
         self._protected: set[ExpertKey] = set()
         self._unused_prefetches: set[ExpertKey] = set()
 
@@ -171,26 +175,34 @@ class ExpertCache:
                 f"{self.n_slots} slots are unpinned; release earlier steps first"
             )
         to_wait: list[int] = []
-        for key in present:
-            slot = self._slot_of[key]
-            self._pins[slot] += 1
-            if key in self._unused_prefetches:
-                self._unused_prefetches.discard(key)
-                self.stats.prefetch_used += 1
+        pinned: list[int] = []  # this call's pins: given back if it fails, so a failed step holds none
+        try:
+            for key in present:
+                slot = self._slot_of[key]
+                self._pins[slot] += 1
+                pinned.append(slot)
+                if key in self._unused_prefetches:
+                    self._unused_prefetches.discard(key)
+                    self.stats.prefetch_used += 1
+                    if self._state[slot] is SlotState.LOADING:
+                        self.stats.prefetch_late += 1
                 if self._state[slot] is SlotState.LOADING:
-                    self.stats.prefetch_late += 1
-            if self._state[slot] is SlotState.LOADING:
+                    to_wait.append(slot)
+                call_plugin("cache_policy", self.policy, "on_access", key)
+            for key in missing:
+                slot = self._claim_slot_for_demand()
+                self._start_load(key, slot)
+                self._pins[slot] += 1
+                pinned.append(slot)
+                self.stats.demand_loads += 1
+                call_plugin("cache_policy", self.policy, "on_access", key)
                 to_wait.append(slot)
-            call_plugin("cache_policy", self.policy, "on_access", key)
-        for key in missing:
-            slot = self._claim_slot_for_demand()
-            self._start_load(key, slot)
-            self._pins[slot] += 1
-            self.stats.demand_loads += 1
-            call_plugin("cache_policy", self.policy, "on_access", key)
-            to_wait.append(slot)
-        for slot in to_wait if wait else ():
-            self._finish_load(slot)
+            for slot in to_wait if wait else ():
+                self._finish_load(slot)
+        except BaseException:
+            for slot in pinned:
+                self._unpin(slot)
+            raise
         self.stats.acquired_keys += len(keys)
         self.stats.hits += len(present)
         self.stats.misses += len(missing)
@@ -214,9 +226,14 @@ class ExpertCache:
                 raise SpecterError(f"release of expert {key} that is not acquired")
             slots.append(slot)
         for slot in slots:
-            self._pins[slot] -= 1
-            if self._pins[slot] == 0:
-                self.link.release_slot(slot)
+            self._unpin(slot)
+
+    def _unpin(self, slot: int) -> None:
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self.link.release_slot(slot)
+            if slot in self._broken:
+                self._drop(slot)
 
     # ----- the scheduler's side ----------------------------------------------------------------
 
@@ -353,39 +370,66 @@ class ExpertCache:
         self._state[slot] = SlotState.LOADING
         try:
             self._loading[slot] = self.link.submit(self.slot_views(slot), self.store.expert(*key), slot)
-        except SpecterError:
-            raise
-        except Exception as error:
+        except BaseException as error:  # no copy started: the slot is free again, not LOADING with no transfer
+            self._drop(slot)
+            if isinstance(error, SpecterError) or not isinstance(error, Exception):
+                raise
             raise SpecterError(f"offload.link.kind: link {self.link.kind!r} failed to start the copy of expert "
                                f"{key}: {type(error).__name__}: {error}") from error
         self.stats.bytes_transferred += self.store.expert_bytes
 
     def _finish_load(self, slot: int) -> None:
-        """Wait for the slot's transfer (if still loading), check it, and mark it READY."""
-        transfer = self._loading.pop(slot, None)
+        """Wait for the slot's transfer (if still loading), check it, and mark it READY. A wait that
+        times out (or is interrupted) leaves the transfer in place, still LOADING, for a later wait;
+        a failed copy whose repair fails too frees the slot (its bytes are unknown)."""
+        transfer = self._loading.get(slot)
         if transfer is None:
             return
         key = self._key_in[slot]
         try:
-            self.stats.transfer_wait_s += wait_for(transfer, self.transfer_timeout_s)
+            waited = wait_for(transfer, self.transfer_timeout_s)
         except TransferTimeout:
             raise SpecterError(
                 f"offload.transfer_timeout_s: the copy of expert {key} over link {self.link.kind!r} did not "
                 f"complete within {self.transfer_timeout_s:g} s; the link is stalled"
             ) from None
         except Exception as error:
+            del self._loading[slot]
             self._reload(slot, f"link {self.link.kind!r} failed copying expert {key}: {type(error).__name__}: {error}")
         else:
+            del self._loading[slot]
+            self.stats.transfer_wait_s += waited
             if self.verify_copies and not self._intact(slot):
                 self._reload(slot, f"expert {key} arrived wrong over link {self.link.kind!r} (checksum mismatch)")
         self._mark_ready(slot)
 
     def _reload(self, slot: int, why: str) -> None:
-        """Copy the slot's expert straight from the host store, once."""
+        """Copy the slot's expert straight from the host store, once; if that fails as well, the
+        error is raised and the slot freed (at once, or when its last pin is given back): its key
+        loads afresh when next asked for."""
         key = self._key_in[slot]
         assert key is not None
         self.stats.reloads += 1
-        self._repair.reload(self.slot_views(slot), key, why, self.verify_copies)
+        try:
+            self._repair.reload(self.slot_views(slot), key, why, self.verify_copies)
+        except BaseException:
+            if self._pins[slot]:
+                self._broken.add(slot)
+            else:
+                self._drop(slot)
+            raise
+
+    def _drop(self, slot: int) -> None:
+        """Forget a LOADING slot's key without a copy in flight (it never started, or failed)."""
+        key = self._key_in[slot]
+        assert key is not None and slot not in self._loading
+        self._broken.discard(slot)
+        del self._slot_of[key]
+        self._key_in[slot] = None
+        self._state[slot] = SlotState.FREE
+        self._table.set(key, -1)
+        self._unused_prefetches.discard(key)
+        call_plugin("cache_policy", self.policy, "on_evict", key)
 
     def _intact(self, slot: int) -> bool:
         key = self._key_in[slot]

@@ -131,7 +131,9 @@ class FutureTransfer(Transfer):
         started = time.perf_counter()
         try:
             self._future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError: a failed read may raise it too
+            if self._future.done():
+                raise
             raise TransferTimeout(f"not complete after {timeout:g} s") from None
         return time.perf_counter() - started
 

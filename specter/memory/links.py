@@ -86,6 +86,7 @@ class CopyThreadLink(Link):
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._closing = threading.Lock()  # a submit and a close never interleave: nothing queued behind the stop
         self._worker = threading.Thread(target=self._serve, name=f"specter-{self.kind}-link", daemon=True)
         self._worker.start()
         _OPEN.add(self)
@@ -99,17 +100,19 @@ class CopyThreadLink(Link):
         copy_all(dst, src)
 
     def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
-        if self._closed:
-            raise SpecterError(f"submit on a closed {self.kind} link")
         transfer = ThreadTransfer(transfer_nbytes(src))
-        self._queue.put((transfer, dst, src, time.perf_counter()))
+        with self._closing:
+            if self._closed:
+                raise SpecterError(f"submit on a closed {self.kind} link")
+            self._queue.put((transfer, dst, src, time.perf_counter()))
         return transfer
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(_STOP)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
         self._worker.join()
         _OPEN.discard(self)
 

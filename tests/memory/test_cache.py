@@ -337,3 +337,101 @@ def test_acquire_without_waiting_counts_as_acquire_and_await_any_returns_what_ar
     assert cache.await_any(0, [2]) == [2]
     cache.release(0, [1, 2])
     assert cache.pinned_keys() == set()
+
+
+# ----------------------------------------------------------------------------- a copy that fails
+
+
+class FailingLink(LocalLink):
+    """A synchronous local link whose next ``fail_submits`` submits raise and whose next
+    ``fail_copies`` transfers raise when waited on."""
+
+    def __init__(self, fail_submits: int = 0, fail_copies: int = 0) -> None:
+        super().__init__(copy_thread=False)
+        self.fail_submits, self.fail_copies = fail_submits, fail_copies
+
+    def submit(self, dst, src, slot):
+        if self.fail_submits:
+            self.fail_submits -= 1
+            raise OSError("device busy")
+        if self.fail_copies:
+            self.fail_copies -= 1
+            return _FailedTransfer()
+        return super().submit(dst, src, slot)
+
+
+class _FailedTransfer:
+    nbytes = 0
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> float:
+        raise SpecterError("expert transfer failed: bus error")
+
+
+def assert_holds_expert(cache: ExpertCache, layer: int, expert: int) -> None:
+    slot = cache.acquire(layer, [expert])[0]
+    for name, tensor in cache.store.expert(layer, expert).items():
+        assert torch.equal(cache.slot_views(slot)[name], tensor), name
+    cache.release(layer, [expert])
+
+
+def test_a_copy_that_cannot_start_leaves_no_slot_behind_and_the_next_acquire_loads_it():
+    """A link whose submit raises: the acquire fails naming the link, holds no pin, and the key is
+    not resident, so the next acquire copies it rather than handing out a slot never written."""
+    link = FailingLink()
+    cache = make_cache(n_slots=2, link=link)
+    use(cache, 0, [0])
+    link.fail_submits = 1
+    with pytest.raises(SpecterError, match="failed to start the copy of expert \\(0, 1\\): OSError: device busy"):
+        cache.acquire(0, [0, 1])  # expert 0 is a hit and gets pinned before expert 1's copy fails
+    assert (0, 1) not in cache.resident_keys() and cache.pinned_keys() == set()
+    assert_holds_expert(cache, 0, 1)
+    assert_table_matches(cache)
+
+
+def test_a_failed_copy_whose_repair_fails_too_frees_its_slot_once_unpinned():
+    """The copy fails and so does the reload from the store: the error is raised, the pins of the
+    acquire given back, and the slot freed, so the key loads afresh next time."""
+    cache = make_cache(n_slots=2, link=FailingLink(fail_copies=1))
+    broken = cache._repair.reload
+
+    def reload(*args, **kwargs):
+        cache._repair.reload = broken
+        raise SpecterError("offload.link.kind: the link keeps failing")
+
+    cache._repair.reload = reload
+    with pytest.raises(SpecterError, match="the link keeps failing"):
+        cache.acquire(0, [2])
+    assert (0, 2) not in cache.resident_keys() and cache.pinned_keys() == set()
+    assert [cache.state(s) for s in range(2)] == [SlotState.FREE, SlotState.FREE]
+    assert_holds_expert(cache, 0, 2)
+
+
+def test_a_wave_whose_copy_and_repair_fail_releases_cleanly():
+    """The waves path acquires without waiting and releases whatever is pending when a wait
+    fails: the failed key's slot is freed at that release, the others stay cached."""
+    cache = make_cache(n_slots=3, link=FailingLink(fail_copies=1))
+    cache._repair.reload = lambda *args, **kwargs: (_ for _ in ()).throw(SpecterError("reload failed"))
+    cache.acquire(0, [1, 3], wait=False)
+    with pytest.raises(SpecterError, match="reload failed"):
+        cache.await_any(0, [1, 3])  # expert 1's copy is the failed one
+    cache.release(0, [1, 3])
+    assert cache.pinned_keys() == set() and (0, 1) not in cache.resident_keys() and (0, 3) in cache.resident_keys()
+
+
+def test_a_copy_past_its_deadline_stays_in_flight_and_is_waited_for_again():
+    """A wait that times out leaves the copy in flight (the slot LOADING with its transfer) and no
+    pin held; the next acquire waits for it again instead of calling it a ready hit."""
+    link = EmulatedLink(gbps=1.0, latency_us=300_000)  # each copy takes 0.3 s
+    cache = ExpertCache(make_store(), 2, torch.device("cpu"), link, LRUPolicy(), transfer_timeout_s=0.05)
+    with pytest.raises(SpecterError, match="did not complete within 0.05 s"):
+        cache.acquire(0, [4])
+    slot = cache.slot_of((0, 4))
+    assert cache.state(slot) is SlotState.LOADING and cache.in_flight == 1 and cache.pinned_keys() == set()
+    with pytest.raises(SpecterError, match="did not complete"):
+        cache.acquire(0, [4])  # still copying: waited for, not handed out
+    cache.transfer_timeout_s = None
+    assert_holds_expert(cache, 0, 4)
+    link.close()

@@ -5,6 +5,7 @@ a truncated or unreadable file."""
 from __future__ import annotations
 
 import shutil
+import time
 import warnings
 
 import pytest
@@ -307,3 +308,23 @@ def test_concurrent_reads_on_a_filesystem_that_refuses_o_direct_all_fall_back(ti
         for name, tensor in got.items():
             assert torch.equal(tensor, getattr(moe_layers(model)[0].experts, name)[expert])
     disk.close()
+
+
+def test_a_read_that_fails_with_a_timeout_error_is_that_error_not_a_stalled_link() -> None:
+    """Python's futures time out with the builtin TimeoutError, which a failed read (an OS timeout)
+    raises too: a finished read's error is raised as it is, with or without a deadline."""
+    import concurrent.futures
+
+    from specter.memory.disk_store import FutureTransfer
+
+    def read() -> None:
+        time.sleep(0.05)
+        raise TimeoutError("[Errno 110] Connection timed out")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for timeout in (5.0, None):
+            transfer = FutureTransfer(pool.submit(read), 8)
+            started = time.perf_counter()
+            with pytest.raises(TimeoutError, match="Connection timed out"):
+                transfer.wait(timeout)
+            assert time.perf_counter() - started < 2.0

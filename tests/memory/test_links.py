@@ -239,3 +239,52 @@ def test_cuda_link_copies_and_orders_after_release() -> None:
     assert torch.allclose(total.cpu(), src["w"].sum(), rtol=1e-4)
     assert torch.equal(dst["w"].cpu(), other["w"])
     link.close()
+
+
+@pytest.mark.parametrize("make", [lambda: LocalLink(copy_thread=True), lambda: EmulatedLink(2.0)],
+                         ids=["local-copy-thread", "emulated"])
+def test_a_close_racing_a_submit_never_strands_the_transfer(make) -> None:
+    """A submit still reading its source (a disk expert is read for its size) when another thread
+    closes the link: either the copy is queued ahead of the stop and completes, or the submit is
+    refused as closed; never a transfer behind the stop that no worker will run."""
+    import threading
+    from collections.abc import Mapping
+
+    class SlowSource(Mapping):
+        def __init__(self, tensors: dict, gate: threading.Event) -> None:
+            self.tensors, self.gate = tensors, gate
+
+        def __getitem__(self, name):
+            self.gate.wait(5)
+            return self.tensors[name]
+
+        def __iter__(self):
+            return iter(self.tensors)
+
+        def __len__(self) -> int:
+            return len(self.tensors)
+
+    link, gate, out = make(), threading.Event(), {}
+    dst = {"w": torch.zeros(1024)}
+
+    def submit() -> None:
+        try:
+            out["transfer"] = link.submit(dst, SlowSource({"w": torch.ones(1024)}, gate), 0)
+        except SpecterError as error:
+            out["error"] = error
+
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    time.sleep(0.05)  # the submitter is reading its source
+    closer = threading.Thread(target=link.close)
+    closer.start()
+    time.sleep(0.05)
+    gate.set()
+    submitter.join(5)
+    closer.join(5)
+    if "transfer" in out:
+        out["transfer"].wait(timeout=2)  # raises TransferTimeout if stranded
+        assert torch.equal(dst["w"], torch.ones(1024))
+    else:
+        assert "closed" in str(out["error"])
+    assert not closer.is_alive() and not link.alive
