@@ -83,9 +83,19 @@ class Engine:
         self.sampling = SamplingParams(
             temperature=recipe.sampling.temperature, top_p=recipe.sampling.top_p, top_k=recipe.sampling.top_k
         )
-        self.eos_token_id = getattr(model.generation_config, "eos_token_id", None)
-        if isinstance(self.eos_token_id, list):
-            self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        # any of them ends a prompt, as in transformers' generate (Qwen2/3-MoE and GPT-OSS list several)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (
+            () if eos is None else (int(eos),))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence id (None: none); setting it makes it the only one."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @eos_token_id.setter
+    def eos_token_id(self, token: int | None) -> None:
+        self.eos_token_ids = () if token is None else (int(token),)
 
     # --- the model call: eager, or the compiled step functions (specter.compile.decoder) -------------
     compiled = None  # a specter.compile.decoder.CompiledDecoder when the recipe says compile: true
@@ -113,7 +123,7 @@ class Engine:
         self, prompt_ids: list[int], max_new_tokens: int, generator, metrics, on_step: StepCallback | None
     ) -> list[int]:
         """The one decoding loop of every engine: prefill, then rounds (``decode_round``) until
-        max_new_tokens or EOS. ``on_step`` sees the new tokens after the prefill and after every
+        max_new_tokens or an end-of-sequence token (any of ``eos_token_ids``). ``on_step`` sees the new tokens after the prefill and after every
         round; ``StopDecoding`` from it ends this prompt with the tokens so far, any other
         exception stops decoding and propagates."""
         kv = self.new_kv_cache()
@@ -122,12 +132,14 @@ class Engine:
         new_tokens = [token]
         if on_step is not None and self._stopped_by(on_step, new_tokens):
             return new_tokens
-        while len(new_tokens) < max_new_tokens and token != self.eos_token_id:
+        eos = self.eos_token_ids
+        while len(new_tokens) < max_new_tokens and token not in eos:
             started = time.perf_counter()
             emitted = self.decode_round(token, kv, generator, metrics, max_new_tokens - len(new_tokens),
                                         prompt_ids + new_tokens)
-            if self.eos_token_id in emitted:
-                emitted = emitted[: emitted.index(self.eos_token_id) + 1]
+            end = next((i for i, t in enumerate(emitted) if t in eos), None)
+            if end is not None:
+                emitted = emitted[: end + 1]
             emitted = emitted[: max_new_tokens - len(new_tokens)]
             synchronize(self.device)
             metrics.observe_decode_step(len(emitted), time.perf_counter() - started)

@@ -52,8 +52,8 @@ class Governor(ABC):
         on, while what the governor has learned stays. The default keeps nothing per report."""
 
     def start_prompt(self) -> None:
-        """A prompt's prefill ran: the next round is its first decoding round (the cache holds
-        what the prefill left). The default does nothing."""
+        """A prompt begins (called just before its prefill): the next round is its first decoding
+        round (the cache holds what the prefill left). The default does nothing."""
 
     def link_changed(self) -> None:
         """Experts move over another link from now on: round costs measured so far were of the

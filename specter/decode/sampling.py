@@ -60,7 +60,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
-    logits = logits / params.temperature
+    # shifted by the row's max first (softmax, top-k and top-p do not change): a tiny temperature
+    # divides differences, and no logit overflows to inf (which made every probability NaN)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     top_k = min(params.top_k, vocab)
     if top_k == 0 and params.top_p >= 1.0:
         return torch.softmax(logits, dim=-1)

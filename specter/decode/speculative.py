@@ -322,6 +322,7 @@ class SpecterEngine(PrefetchingEngine):
         started = time.perf_counter()
         chosen = check_next_k(call_plugin("governor", self.governor, "next_k"), self.governor)
         k = min(chosen, remaining - 1)
+        cut_short = k < chosen  # the generation ends after this round (a predictor proposing fewer is not)
         base_length = kv.get_seq_length()
         self._plain_round = k == 0
         self.begin_round(drafting=k > 0)
@@ -377,5 +378,5 @@ class SpecterEngine(PrefetchingEngine):
         # a compiled path tried against the odds this round: its times are the trial's, not the path's
         path_trial = self.compiled is not None and self.compiled.chooser.trials != trials_before
         call_plugin("governor", self.governor, "observe", drafted=k, accepted=result.accepted, round_s=total,
-                    path_trial=path_trial, cut_short=k < chosen, **timings)
+                    path_trial=path_trial, cut_short=cut_short, **timings)
         return result.tokens

@@ -1,11 +1,11 @@
 """Generated token ids to text deltas that are safe to send, with OpenAI ``stop`` strings.
 
-Contract: ``TextStream(decode, stop, eos_token_id)`` is fed the growing list of a request's new
+Contract: ``TextStream(decode, stop, eos_token_ids)`` (an id, several, or None) is fed the growing list of a request's new
 token ids (``update(ids)``, then ``update(ids, final=True)`` once generation ended) and returns
 each time a ``(delta, stopped)`` pair:
 
-- the text is always ``decode(ids)`` of the whole id list (a trailing end-of-sequence token
-  dropped), never a concatenation of per-token decodes, so a multi-byte character split across
+- the text is always ``decode(ids)`` of the whole id list (a trailing end-of-sequence token,
+  any of ``eos_token_ids``, dropped), never a concatenation of per-token decodes, so a multi-byte character split across
   tokens comes out whole: while the decoded text ends in U+FFFD (an incomplete UTF-8 sequence)
   that tail is held back until a later update completes it or the final update flushes it;
 - ``stop`` strings: as soon as the text holds one, it is cut just before it (the earliest one
@@ -20,17 +20,18 @@ Not thread-safe: one stream belongs to one request, used from one thread.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 REPLACEMENT = "\ufffd"
 
 
 class TextStream:
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (),
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_ids: int | Iterable[int] | None = None) -> None:
         self._decode = decode
         self._stop = tuple(s for s in stop if s)
-        self._eos = eos_token_id
+        self._eos = frozenset(() if eos_token_ids is None else (eos_token_ids,) if isinstance(eos_token_ids, int)
+                              else eos_token_ids)
         self.text = ""  # what has been handed out so far
         self.stopped = False  # a stop string matched
         self.ended_by_eos = False  # the last id seen was the end-of-sequence token
@@ -40,7 +41,7 @@ class TextStream:
         if self.stopped:
             return "", True
         ids = list(ids)
-        self.ended_by_eos = bool(ids) and self._eos is not None and ids[-1] == self._eos
+        self.ended_by_eos = bool(ids) and ids[-1] in self._eos
         if self.ended_by_eos:
             ids = ids[:-1]
         full = self._decode(ids) if ids else ""

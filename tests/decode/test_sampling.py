@@ -137,3 +137,16 @@ def test_top_p_on_a_large_vocabulary_matches_a_full_sort(scale: float) -> None:
     torch.testing.assert_close(probs, expected)
     if scale < 1:  # the nucleus really is wider than the first candidate set
         assert ((probs > 0).sum(-1) > 1024).all()
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-39, 1e-45])
+def test_a_tiny_temperature_is_the_argmax_not_nan(temperature: float) -> None:
+    """A temperature above 0 but small enough that logits / temperature overflows float32 keeps
+    a valid distribution: the mass on the argmax."""
+    logits = torch.tensor([[2.0, 1.0, -3.0], [0.5, 0.5, 0.4]])
+    for params in (SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, top_p=0.9),
+                   SamplingParams(temperature=temperature, top_k=2)):
+        probs = logits_to_probs(logits, params)
+        assert torch.isfinite(probs).all()
+        assert torch.equal(probs[0], torch.tensor([1.0, 0.0, 0.0]))
+        assert probs[1, 2] == 0 and probs[1].sum() == pytest.approx(1.0)

@@ -116,7 +116,7 @@ def test_max_new_tokens_is_exact_even_when_k_exceeds_what_is_left(max_new, zoo_c
     assert all(int(k) <= max_new - 2 for k in histogram)
 
 
-def with_eos(src: str, dst: Path, eos: int) -> str:
+def with_eos(src: str, dst: Path, eos: int | list[int]) -> str:
     shutil.copytree(src, dst)
     config_path = dst / "generation_config.json"
     config = json.loads(config_path.read_text())
@@ -125,13 +125,16 @@ def with_eos(src: str, dst: Path, eos: int) -> str:
     return str(dst)
 
 
-@pytest.mark.parametrize("arch", ("mixtral", "gpt_oss"))
-def test_eos_stops_generation(arch, zoo_checkpoints, resident, tmp_path):
+@pytest.mark.parametrize("arch, listed", [("mixtral", False), ("gpt_oss", False), ("mixtral", True)])
+def test_eos_stops_generation(arch, listed, zoo_checkpoints, resident, tmp_path):
+    """Any end-of-sequence id ends a prompt, also the second of a list (Qwen2/3-MoE and GPT-OSS
+    ship several), as in transformers' generate."""
     reference = resident[arch][0]
     # a token the model emits in the middle of prompt 0's output, for the first time there
     position = max(p for p in range(2, MAX_NEW - 2) if reference[p] not in reference[:p])
     eos = reference[position]
-    path = with_eos(zoo_checkpoints[arch], tmp_path / "eos", eos)
+    unused = next(t for t in range(3, 256) if all(t not in ids for ids in resident[arch]))
+    path = with_eos(zoo_checkpoints[arch], tmp_path / "eos", [unused, eos] if listed else eos)
 
     def truncated(ids: list[int]) -> list[int]:
         return ids[: ids.index(eos) + 1] if eos in ids else ids
@@ -293,3 +296,27 @@ def test_an_eos_inside_a_round_ends_the_tokens_and_the_tokens_per_round_there(zo
     assert report["outputs"][0]["token_ids"] == tokens[: stop + 1]
     rounds = sum(report["k"]["histogram"].values())
     assert report["mean_accepted_per_step"] == pytest.approx(stop / rounds)  # prefill's token is not a round's
+
+
+def test_cut_short_means_the_generation_ends_not_a_predictor_proposing_fewer(zoo_checkpoints):
+    """The governor's ``cut_short`` is set only where the engine drafted fewer than next_k() said
+    because the generation ends after the round; an n-gram predictor proposing fewer (or none) is
+    not a cut round (the roofline leaves cut rounds' waits out of its estimates)."""
+    engine = specter.load(dict(recipe(zoo_checkpoints["mixtral"], "specter", k=5, max_new=20),
+                               speculation={"governor": {"name": "fixed", "k": 5}, "predictor": {"name": "ngram"}}))
+    seen, remaining = [], {}
+    play_round, observe = engine.play_round, engine.governor.observe
+
+    def round_(token, kv, generator, metrics, left, context):
+        remaining["now"] = left
+        return play_round(token, kv, generator, metrics, left, context)
+
+    def observed(drafted, accepted, **timings):
+        seen.append((drafted, remaining["now"], timings["cut_short"]))
+        return observe(drafted, accepted, **timings)
+
+    engine.play_round, engine.governor.observe = round_, observed
+    engine.generate([[1] + list(range(3, 120)) + [10, 20]])
+    engine.close()
+    assert any(drafted < 5 <= left - 1 for drafted, left, _ in seen)  # the predictor proposed fewer somewhere
+    assert all(cut == (left - 1 < 5) for _, left, cut in seen)

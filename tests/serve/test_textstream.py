@@ -47,6 +47,13 @@ def test_the_end_of_sequence_token_is_not_text():
     assert "".join(deltas) == "done" and stream.ended_by_eos and not stream.stopped
 
 
+def test_any_of_several_end_of_sequence_tokens_is_not_text():
+    stream = TextStream(decode, (), (EOS, EOS + 1))
+    assert stream.update(ids_of("ok") + [EOS + 1], final=True) == ("ok", False) and stream.ended_by_eos
+    alone = TextStream(decode, (), None)
+    assert alone.update(ids_of("ok"), final=True) == ("ok", False) and not alone.ended_by_eos
+
+
 def test_a_stop_string_cuts_the_text_before_it_and_is_never_sent():
     deltas, stream = feed("x = 1\nreturn x\n", stop=["return"])
     assert stream.stopped and stream.text == "x = 1\n" == "".join(deltas)
