@@ -29,13 +29,8 @@ Contract:
   ``SpecterError`` naming the link. A copy that could not start, or whose reload failed, frees its
   slot (once unpinned): the key is loaded afresh when next asked for, never handed out unwritten.
   An ``acquire`` that raises gives back the pins it took.
-
-Counting (``CacheStats``), per distinct key of each ``acquire``: a *hit* needed no new transfer
-(the key was READY or LOADING), a *miss* started a demand load. ``prefetch_used`` counts prefetched
-keys acquired before eviction (``prefetch_late`` those still loading then), ``prefetch_wasted``
-those evicted unused. Hence ``hits + misses == acquired_keys``, ``misses == demand_loads`` and
-``bytes_transferred == (demand_loads + prefetch_issued) * expert_bytes``. ``preload`` is a warm
-start and is not counted.
+- ``stats``: the counters (``specter.memory.stats.CacheStats`` defines them); ``preload`` is a warm
+  start and is not counted.
 """
 
 from __future__ import annotations
@@ -346,18 +341,23 @@ class ExpertCache:
                                f"choose_victim(), which is not one of the candidates it was given")
 
     def _evict(self, victim: ExpertKey, counted: bool = True) -> int:
-        slot = self._slot_of.pop(victim)
+        slot = self._slot_of[victim]
         assert self._pins[slot] == 0 and self._state[slot] is SlotState.READY
-        self._key_in[slot] = None
-        self._state[slot] = SlotState.FREE
-        self._table.set(victim, -1)
         if counted:
             self.stats.evictions += 1
-            if victim in self._unused_prefetches:
-                self.stats.prefetch_wasted += 1
-        self._unused_prefetches.discard(victim)
-        call_plugin("cache_policy", self.policy, "on_evict", victim)
+            self.stats.prefetch_wasted += victim in self._unused_prefetches
+        self._forget(slot)
         return slot
+
+    def _forget(self, slot: int) -> None:
+        """The slot FREE, its key out of the cache and the table, the policy told."""
+        key = self._key_in[slot]
+        del self._slot_of[key]
+        self._key_in[slot] = None
+        self._state[slot] = SlotState.FREE
+        self._table.set(key, -1)
+        self._unused_prefetches.discard(key)
+        call_plugin("cache_policy", self.policy, "on_evict", key)
 
     def _occupy(self, key: ExpertKey, slot: int) -> None:
         assert self._state[slot] is SlotState.FREE and self._key_in[slot] is None
@@ -421,15 +421,9 @@ class ExpertCache:
 
     def _drop(self, slot: int) -> None:
         """Forget a LOADING slot's key without a copy in flight (it never started, or failed)."""
-        key = self._key_in[slot]
-        assert key is not None and slot not in self._loading
+        assert self._key_in[slot] is not None and slot not in self._loading
         self._broken.discard(slot)
-        del self._slot_of[key]
-        self._key_in[slot] = None
-        self._state[slot] = SlotState.FREE
-        self._table.set(key, -1)
-        self._unused_prefetches.discard(key)
-        call_plugin("cache_policy", self.policy, "on_evict", key)
+        self._forget(slot)
 
     def _intact(self, slot: int) -> bool:
         key = self._key_in[slot]

@@ -1,6 +1,13 @@
-"""``CacheStats``: what an ``ExpertCache`` counted (its module docstring defines each counter);
-``a - b`` and ``a + b`` work counter by counter (the counts of a stretch of decoding, their sums);
-``hit_rate()`` and ``prefetch_precision()`` are None where there is nothing to divide by."""
+"""``CacheStats``: what an ``ExpertCache`` counted; ``a - b`` and ``a + b`` work counter by counter
+(the counts of a stretch of decoding, their sums); ``hit_rate()`` and ``prefetch_precision()`` are
+None where there is nothing to divide by.
+
+Counting, per distinct key of each ``acquire``: a *hit* needed no new transfer (the key was READY
+or LOADING), a *miss* started a demand load. ``prefetch_used`` counts prefetched keys acquired
+before eviction (``prefetch_late`` those still loading then), ``prefetch_wasted`` those evicted
+unused. Hence ``hits + misses == acquired_keys``, ``misses == demand_loads`` and
+``bytes_transferred == (demand_loads + prefetch_issued) * expert_bytes``; ``reloads`` counts copies
+repaired from the store, ``transfer_wait_s`` the seconds spent waiting for transfers."""
 
 from __future__ import annotations
 
