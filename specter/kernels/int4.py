@@ -72,14 +72,21 @@ def quantize_symmetric(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]
 
 def choose_backend(n: int, k: int, group_size: int, device: torch.device) -> Backend:
     """The fastest backend that can hold an [n, k] weight on ``device``."""
+    return fitting_backends(n, k, group_size, device)[0]
+
+
+def fitting_backends(n: int, k: int, group_size: int, device: torch.device) -> list[Backend]:
+    """Every backend that can hold an [n, k] weight on ``device``, fastest first (``reference`` last:
+    it holds any)."""
+    fitting: list[Backend] = []
     if device.type == "cpu" and native_fits(n, k, group_size) and int4_native.available():
-        return "cpu-native"
+        fitting.append("cpu-native")
     fits = n % 16 == 0 and k % group_size == 0 and group_size in KERNEL_GROUP_SIZES
     if device.type == "cpu" and fits:
-        return "cpu-int4pack"
+        fitting.append("cpu-int4pack")
     if device.type == "cuda" and fits and k % 32 == 0 and torch.cuda.get_device_capability(device) >= (8, 0):
-        return "cuda-int4pack"
-    return "reference"
+        fitting.append("cuda-int4pack")
+    return [*fitting, "reference"]
 
 
 def native_fits(n: int, k: int, group_size: int) -> bool:
@@ -165,6 +172,8 @@ class Int4Weight:
             return cls(backend, (n, in_features), group_size, packed, scales.to(SCALE_DTYPE).contiguous())
         if kp != in_features:
             raise ValueError(f"{backend} needs K % group_size == 0, got K={in_features}, group_size={group_size}")
+        if backend != "cpu-native" and group_size not in KERNEL_GROUP_SIZES:
+            raise ValueError(f"{backend} needs a group_size in {KERNEL_GROUP_SIZES}, got {group_size}")
         if backend == "cpu-native":
             reason = int4_native.unavailable_reason()
             if reason is not None:

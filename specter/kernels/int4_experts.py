@@ -45,7 +45,8 @@ from torch import Tensor, nn
 
 from specter.kernels import int4_native
 from specter.kernels.grouped_experts import is_silu_glu
-from specter.kernels.int4 import Backend, Int4Weight, choose_backend, int4_matmul, kernel_dtype, quantize_int4
+from specter.kernels.int4 import (Backend, Int4Weight, choose_backend, fitting_backends, int4_matmul, kernel_dtype,
+                                 quantize_int4)
 from specter.kernels.int4_rows import IN_PLACE_BACKENDS, rows_in_place
 
 
@@ -94,8 +95,13 @@ class Int4Experts:
             raise ValueError("Int4Experts does not support expert-parallel experts modules")
         up_name = "gate_up_proj" if module.has_gate else "up_proj"
         transposed = bool(getattr(module, "is_transposed", False))
-        up = _stacked_int4(getattr(module, up_name), transposed, group_size, backend)
-        down = _stacked_int4(module.down_proj, transposed, group_size, backend)
+        weights = getattr(module, up_name), module.down_proj
+        if backend is None:  # one backend for both: every path reads the two through the up's
+            shapes = [(w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2]) for w in weights]
+            down_fits = fitting_backends(*shapes[1], group_size, weights[1].device)
+            backend = next(b for b in fitting_backends(*shapes[0], group_size, weights[0].device) if b in down_fits)
+        up = _stacked_int4(weights[0], transposed, group_size, backend)
+        down = _stacked_int4(weights[1], transposed, group_size, backend)
         has_bias = bool(getattr(module, "has_bias", False))
         up_bias = getattr(module, f"{up_name}_bias").detach() if has_bias else None
         down_bias = module.down_proj_bias.detach() if has_bias else None

@@ -184,3 +184,9 @@ def test_cuda_tinygemm_matches_dequantized_reference() -> None:
     cuda_exact = quantize_int4(exact.cuda(), 64)
     assert torch.equal(cuda_exact.int_data().cpu(), q.to(torch.int8))
     assert isinstance(cuda_exact, Int4Weight)
+
+
+@pytest.mark.parametrize("group_size", [16, 512])
+def test_packed_backends_refuse_a_group_size_their_kernel_lacks_when_packing(group_size: int) -> None:
+    with pytest.raises(ValueError, match="cpu-int4pack needs a group_size in"):
+        quantize_int4(torch.randn(32, 1024), group_size, "cpu-int4pack")

@@ -242,3 +242,22 @@ def test_every_layout_takes_the_fused_sum_exactly_where_its_gate_is_plain_silu(a
     with torch.no_grad():
         torch.testing.assert_close(int4.forward(hidden, index, weights), int4.forward_gather(hidden, index, weights),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_up_and_down_take_one_backend_both_can_hold() -> None:
+    """Qwen2-MoE-A2.7B's and DeepSeek-V2-Lite's shapes scaled down (an intermediate size that is a
+    multiple of 64 but not of the group size): the up projection alone would take a packed kernel
+    and the down one the reference layout, and every path that reads both through the up's
+    backend crashed; both now take the best backend that holds each, and every path computes."""
+    from specter.model.layout import moe_layers
+    from specter.testing.zoo import random_model
+
+    model = random_model("qwen2_moe", seed=0, hidden=256, intermediate=320)
+    experts = Int4Experts.from_module(moe_layers(model)[0].experts, 256)
+    assert experts.up[0].backend == experts.down[0].backend == "reference" and not experts.fused_token
+    hidden, index, weights = torch.randn(3, 256), torch.tensor([[0, 1], [2, 1], [3, 0]]), torch.rand(3, 2)
+    expected = experts.forward_one_token(hidden[:1], index[:1], weights[:1])
+    torch.testing.assert_close(experts.forward(hidden[:1], index[:1], weights[:1]), expected)
+    torch.testing.assert_close(experts.forward_gather(hidden[:1], index[:1], weights[:1]), expected)
+    torch.testing.assert_close(experts.forward(hidden, index, weights)[:1], expected)
+
