@@ -251,6 +251,10 @@ class DiskExperts:
         start = source.start + expert * per_expert
         return Piece(source, start, start + per_expert, source.shape[1:], param, slice(0, source.shape[1]))
 
+    def stored_dtype(self, layer: int) -> torch.dtype:
+        """The dtype ``layer``'s expert 0 is stored in (its first tensor's)."""
+        return self._pieces[layer][0][0].source.dtype
+
     def check(self, layer: int, reference: dict[str, torch.Tensor]) -> None:
         """Refuse a mapping that does not reproduce expert 0 of ``layer`` as loaded (``reference``:
         the module's per-expert tensors, [E, ...] each; read through a ``detached()`` reader)."""

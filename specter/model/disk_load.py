@@ -6,10 +6,14 @@ tensors, which stay on the ``meta`` device (no bytes): while transformers loads,
 modules' classes register no expert parameters, so the checkpoint's expert tensors are never
 materialised (transformers reads safetensors lazily and skips keys the model does not have). So
 a model whose experts do not fit in RAM loads in the memory of its dense weights.
-``reference_layer(path, layer, trust_remote_code)`` loads the model's first ``layer + 1``
-decoder layers only, in the checkpoint's own dtype (the rest of the checkpoint is not read; a
-stacked layout stays memory-mapped, so only the pages compared are read) and returns that
-layer's experts module, whose expert 0 the disk tier compares with its own reading of the
+A weight the dense model needs that the checkpoint lacks (or holds in another shape) is a
+``SpecterError`` naming it (transformers' load report, silenced here for the experts' keys, would
+only have warned, leaving it at random values).
+``reference_layer(path, layer, trust_remote_code, dtype="auto")`` loads the model's first
+``layer + 1`` decoder layers only, in ``dtype`` (the caller passes the dtype the experts are
+stored in, so nothing is converted; ``auto`` is the config's, which the stored tensors need not
+match; the rest of the checkpoint is not read; a stacked layout stays memory-mapped, so only the
+pages compared are read) and returns that layer's experts module, whose expert 0 the disk tier compares with its own reading of the
 checkpoint before serving it (``DiskExperts.check``).
 """
 
@@ -24,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specter.errors import SpecterError
 from specter.model.layout import expert_param_names, moe_layers
 from specter.quiet import loading_quietly
 
@@ -85,8 +90,16 @@ def load_without_experts(path: Path, dtype: torch.dtype, trust_remote_code: bool
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     classes = {type(info.experts) for info in moe_layers(skeleton)}
     with loading_quietly(), _load_report_silenced(), _experts_left_out(classes):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, output_loading_info=True)
+    # the report is silenced for the experts' keys; a dense weight it would have called missing (or of
+    # another shape) would be left at random values: refused
+    for kind in ("missing_keys", "mismatched_keys"):
+        keys = sorted(str(key) for key in info.get(kind) or ())
+        if keys:
+            listed = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+            raise SpecterError(f"model: {path} lacks weights the model needs ({kind.split('_')[0]}: {listed}); "
+                               "with offload.experts_on: disk they would be left at random values")
     _restore_meta_parameters(model, classes)
     return model.eval()
 
@@ -102,12 +115,13 @@ def _first_layers(config, layers: int):
     return small
 
 
-def reference_layer(path: Path, layer: int, trust_remote_code: bool = False) -> nn.Module:
+def reference_layer(path: Path, layer: int, trust_remote_code: bool = False,
+                    dtype: torch.dtype | str = "auto") -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with loading_quietly(), _load_report_silenced():
-        model = AutoModelForCausalLM.from_pretrained(  # the checkpoint's own dtype: no conversion
-            path, config=_first_layers(config, layer + 1), dtype="auto", use_safetensors=True,
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=_first_layers(config, layer + 1), dtype=dtype, use_safetensors=True,
             trust_remote_code=trust_remote_code)
     return next(info.experts for info in moe_layers(model) if info.layer == layer)

@@ -144,7 +144,8 @@ def experts_to_disk(model: nn.Module, path: Path, direct_io: bool, trust_remote_
     dtype = getattr(layers[0].experts, layers[0].param_names[0]).dtype
     disk = DiskExperts(CheckpointIndex(path), layers, dtype, direct=direct_io)
     first = layers[0]
-    reference = reference_layer(path, first.layer, trust_remote_code)
+    # in the dtype the experts are stored in (no conversion; a config's dtype may say another)
+    reference = reference_layer(path, first.layer, trust_remote_code, disk.stored_dtype(first.layer))
     disk.check(first.layer, {name: getattr(reference, name).detach() for name in first.param_names})
     del reference
     disk.blocked = expert_layout.chooses_blocked(first.experts, dtype, device or torch.device("cpu"))

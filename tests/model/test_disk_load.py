@@ -131,3 +131,39 @@ def test_first_layers_cuts_the_per_layer_lists_and_leaves_the_config_alone() -> 
     assert small.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     assert small.hidden_size == config.hidden_size
     assert config.num_hidden_layers == 4 and len(config.layer_types) == 4  # a copy was cut
+
+
+def test_a_dense_weight_the_checkpoint_lacks_is_refused_naming_it(zoo_mixtral: str, tmp_path: Path) -> None:
+    """transformers' load report is silenced here (it would list every expert key); a dense weight
+    it would have called missing is refused rather than left at random values."""
+    from safetensors.torch import load_file, save_file
+
+    from specter.errors import SpecterError
+
+    for name in Path(zoo_mixtral).iterdir():
+        shutil.copy(name, tmp_path / name.name)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.0.self_attn.q_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SpecterError, match="lacks weights the model needs \\(missing: "
+                                           "model.layers.0.self_attn.q_proj.weight\\)"):
+        load_without_experts(tmp_path, torch.float32)
+
+
+def test_experts_on_disk_load_where_the_config_names_another_dtype_than_the_tensors(tmp_path: Path) -> None:
+    """float32 tensors under a config that says bfloat16 (fine-tunes saved so are common), read
+    for a float32 model: the disk tier's expert 0 is compared with the reference converted as the
+    model's weights are, so it loads, and its experts equal the stored ones."""
+    from specter.model.loader import load_model
+
+    model = random_model("mixtral", seed=3)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _, layers, store = load_model(tmp_path, dtype=torch.float32, device=torch.device("cpu"), keep_experts_on_host=True,
+                                  experts_on_disk=True, pin_memory=False, direct_io=False)
+    first = layers[0].layer
+    wanted = moe_layers(model)[0].experts
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(store.standard(first)[name], getattr(wanted, name).detach()), name
