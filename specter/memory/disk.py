@@ -211,7 +211,9 @@ class DiskExperts:
     # ----- mapping ----------------------------------------------------------------------------
 
     def _map_layer(self, info) -> list[list[Piece]]:
-        names = self.index.names()
+        # the layer's own names first (each regex below needs this substring): a large per-expert
+        # checkpoint has tens of thousands of tensors, and scanning them all per expert took minutes
+        names = [n for n in self.index.names() if f"layers.{info.layer}." in n]
         prefix = rf"(?:^|\.)layers\.{info.layer}\.(?:.*\.)?experts\."
         stacked = {param: next((n for n in names if re.search(prefix + re.escape(param) + "$", n)), None)
                    for param in info.param_names}
@@ -221,12 +223,16 @@ class DiskExperts:
         if set(info.param_names) - {"gate_up_proj", "down_proj"} or getattr(info.experts, "is_transposed", False):
             raise SpecterError(f"model: layer {info.layer}'s experts ({', '.join(info.param_names)}) are neither "
                                "stacked in the checkpoint nor in a per-expert layout the disk tier knows")
+        per_name: dict[tuple[int, str], str] = {}  # (expert, w1 / gate_proj / ...) -> the first such name
+        per_expert_name = re.compile(prefix + r"(\d+)\.(\w+)\.weight$")
+        for name in names:
+            if match := per_expert_name.search(name):
+                per_name.setdefault((int(match.group(1)), match.group(2)), name)
         per_expert = []
         for expert in range(info.num_experts):
             pieces = None
             for gate, up, down in _GATE_NAMES:
-                found = [next((n for n in names if re.search(prefix + rf"{expert}\.{part}\.weight$", n)), None)
-                         for part in (gate, up, down)]
+                found = [per_name.get((expert, part)) for part in (gate, up, down)]
                 if all(found):
                     ranges = [self.index.tensors[n] for n in found]
                     rows = ranges[0].shape[0]
