@@ -152,8 +152,11 @@ class DiskLink(Link):
         self.workers = workers
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="specter-disk")
         self._disks: set = set()
+        self._closed = False
 
     def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
+        if self._closed:
+            raise SpecterError("submit on a closed disk link")
         if isinstance(src, DiskSource):
             self._disks.add(src.disk)
             return FutureTransfer(self._pool.submit(src.read_into, dst), src.disk.expert_file_bytes(src.layer, src.expert))
@@ -165,6 +168,7 @@ class DiskLink(Link):
             disk.reset_counters()
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
         for disk in self._disks:
             disk.close()

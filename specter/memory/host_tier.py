@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specter.errors import SpecterError
 from specter.memory.disk_store import DiskSource, FutureTransfer
 from specter.memory.link import Link, Tensors, Transfer
 from specter.policies.base import CachePolicy, ExpertKey
@@ -71,6 +72,7 @@ class HostTierLink(Link):
         self._passing: dict[ExpertKey, concurrent.futures.Future] = {}  # reads into buffers not kept
         self._staged_unused: set[ExpertKey] = set()
         self._disk = None
+        self._closed = False
 
     # ----- the tier ---------------------------------------------------------------------------
 
@@ -144,6 +146,8 @@ class HostTierLink(Link):
     # ----- the link contract ------------------------------------------------------------------
 
     def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
+        if self._closed:
+            raise SpecterError(f"submit on a closed host tier ({self.kind} link)")
         if not isinstance(src, DiskSource):
             return self.device_link.submit(dst, src, slot)
         self._disk = src.disk
@@ -206,6 +210,7 @@ class HostTierLink(Link):
             self._disk.reset_counters()
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
         self.device_link.close()
         if self._disk is not None:

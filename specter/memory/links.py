@@ -253,8 +253,11 @@ class CudaLink(Link):
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(device=self.device)
         self._slot_released: dict[int, torch.cuda.Event] = {}
+        self._closed = False
 
     def submit(self, dst: Tensors, src: Tensors, slot: int) -> Transfer:
+        if self._closed:
+            raise SpecterError("submit on a closed cuda link")
         released = self._slot_released.pop(slot, None)
         with torch.cuda.stream(self._stream):
             if released is not None:
@@ -270,6 +273,7 @@ class CudaLink(Link):
         self._slot_released[slot] = event
 
     def close(self) -> None:
+        self._closed = True
         self._stream.synchronize()
         self._slot_released.clear()
 

@@ -353,3 +353,14 @@ def test_mapping_a_large_per_expert_checkpoint_takes_a_moment_not_minutes() -> N
     pieces = disk._map_layer(info)
     assert time.perf_counter() - started < 2.0
     assert len(pieces) == experts and pieces[5][2].source.name == "model.layers.47.mlp.experts.5.down_proj.weight"
+
+
+def test_a_closed_disk_link_refuses_every_submit() -> None:
+    """After ``close()`` (its pool shut down), a submit of a disk expert or of host tensors is
+    refused naming the link, as a closed copy-thread link refuses."""
+    from specter.memory.disk_store import DiskLink
+
+    link = DiskLink(workers=1)
+    link.close()
+    with pytest.raises(SpecterError, match="submit on a closed disk link"):
+        link.submit({"w": torch.zeros(4)}, {"w": torch.ones(4)}, 0)

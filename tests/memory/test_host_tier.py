@@ -278,3 +278,11 @@ def test_a_staged_read_that_failed_is_not_counted_as_used(disk, monkeypatch):
     stats = tier.describe()["host_tier"]
     assert stats["staged"] == 1 and stats["staged_used"] == 0 and stats["disk_reads"] == 2
     tier.close()
+
+
+def test_a_closed_tier_refuses_a_submit_before_taking_a_buffer(disk):
+    tier = HostTierLink(LocalLink(copy_thread=False), capacity=1, policy=LRUPolicy())
+    tier.close()
+    with pytest.raises(SpecterError, match="submit on a closed host tier"):
+        tier.submit(slot(disk), DiskSource(disk, 0, 1), 0)
+    assert tier.stats.disk_reads == 0 and tier.describe()["host_tier"]["held"] == 0
