@@ -21,7 +21,9 @@ Contract:
   row, ``scripts/int4_kernels.py``) where it builds on
   this machine (needs K % 64 == 0, group_size % 64 == 0, N % 8 == 0); preferred on CPU when it fits;
   ``"reference"``: two nibbles per byte, dequantized to the activation dtype then ``F.linear``
-  (any shape; K is zero-padded to a whole number of groups). ``backend=`` forces one.
+  (any shape; K is zero-padded to a whole number of groups). ``backend=`` forces one;
+  ``choose_backend(n, k, group_size, device)`` names the fastest that fits, ``shared_backend(shapes,
+  ...)`` the fastest that fits every weight of a set computed together.
   Both int4pack kernels are "tinygemm" style: ``w = (u - 8) * scale + zero`` for u in [0, 15]
   (checked empirically), so symmetric q is stored as u = q + 8 with zero = 0.
 - ``Int4Weight.linear(x [..., K]) -> [..., N]`` in x's dtype; the int4pack kernels take bfloat16
@@ -72,10 +74,17 @@ def quantize_symmetric(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]
 
 def choose_backend(n: int, k: int, group_size: int, device: torch.device) -> Backend:
     """The fastest backend that can hold an [n, k] weight on ``device``."""
-    return fitting_backends(n, k, group_size, device)[0]
+    return _fitting_backends(n, k, group_size, device)[0]
 
 
-def fitting_backends(n: int, k: int, group_size: int, device: torch.device) -> list[Backend]:
+def shared_backend(shapes: list[tuple[int, int]], group_size: int, device: torch.device) -> Backend:
+    """The fastest backend that can hold every [n, k] weight of ``shapes`` on ``device`` (weights
+    computed together, as an expert's up and down projections, must share one)."""
+    fitting = [_fitting_backends(n, k, group_size, device) for n, k in shapes]
+    return next(backend for backend in fitting[0] if all(backend in others for others in fitting[1:]))
+
+
+def _fitting_backends(n: int, k: int, group_size: int, device: torch.device) -> list[Backend]:
     """Every backend that can hold an [n, k] weight on ``device``, fastest first (``reference`` last:
     it holds any)."""
     fitting: list[Backend] = []

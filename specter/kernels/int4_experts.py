@@ -45,22 +45,24 @@ from torch import Tensor, nn
 
 from specter.kernels import int4_native
 from specter.kernels.grouped_experts import is_silu_glu
-from specter.kernels.int4 import (Backend, Int4Weight, choose_backend, fitting_backends, int4_matmul, kernel_dtype,
-                                 quantize_int4)
+from specter.kernels.int4 import Backend, Int4Weight, int4_matmul, kernel_dtype, quantize_int4, shared_backend
 from specter.kernels.int4_rows import IN_PLACE_BACKENDS, rows_in_place
 
 
+def _out_in(weight: Tensor, transposed: bool) -> Tensor:
+    """``weight`` as [E, out, in] (a view; stored [E, in, out] if ``transposed``)."""
+    return weight.detach().transpose(1, 2) if transposed else weight.detach()
+
+
 def _stacked_int4(
-    weight: Tensor, transposed: bool, group_size: int, backend: Backend | None
+    weight: Tensor, transposed: bool, group_size: int, backend: Backend
 ) -> tuple[list[Int4Weight], Tensor, Tensor]:
     """Quantizes ``weight [E, out, in]`` ([E, in, out] if transposed), one expert at a time.
 
     Returns E Int4Weights whose tensors are views into the returned stacked packed [E, ...] and
     scales [E, ...] tensors."""
-    w = weight.detach().transpose(1, 2) if transposed else weight.detach()  # [E, N, K]
+    w = _out_in(weight, transposed)  # [E, N, K]
     num_experts, n, k = w.shape
-    if backend is None:
-        backend = choose_backend(n, k, group_size, w.device)
     per_expert = [quantize_int4(w[e], group_size, backend) for e in range(num_experts)]
     packed = torch.stack([p.packed for p in per_expert])  # [E, ...]
     scales = torch.stack([p.scales for p in per_expert])  # [E, ...]
@@ -97,9 +99,8 @@ class Int4Experts:
         transposed = bool(getattr(module, "is_transposed", False))
         weights = getattr(module, up_name), module.down_proj
         if backend is None:  # one backend for both: every path reads the two through the up's
-            shapes = [(w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2]) for w in weights]
-            down_fits = fitting_backends(*shapes[1], group_size, weights[1].device)
-            backend = next(b for b in fitting_backends(*shapes[0], group_size, weights[0].device) if b in down_fits)
+            backend = shared_backend([tuple(_out_in(w, transposed).shape[1:]) for w in weights], group_size,
+                                     weights[0].device)
         up = _stacked_int4(weights[0], transposed, group_size, backend)
         down = _stacked_int4(weights[1], transposed, group_size, backend)
         has_bias = bool(getattr(module, "has_bias", False))
