@@ -46,8 +46,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   tokens/s (``(1 + E[accepted(k)]) / T(k)``) among those meeting ``max_latency_ms`` per token (if
   set; if none does, the lowest latency a token) and within ``frontier()``: at most twice the
   wider of the widest k measured and ``k0`` (the start, whose first round is never measured), or
-  ``FRONTIER_STEP`` beyond it where that is further, so wider ones are reached step by step, each measured before the next
-  is extrapolated (a fit through widths that fit the cache cannot see the cost that jumps once a
+  ``FRONTIER_STEP`` beyond it where that is further, so wider ones are reached step by step, each
+  measured before the next is extrapolated (a fit through widths that fit the cache cannot see the cost that jumps once a
   round's experts stop fitting; doubling, not two at a time, since stop 57), except where even a
   round of ``FRONTIER_STEP`` drafts streams (more distinct experts per layer than
   ``cache_slots_per_layer``, the engine's cache slots over its MoE layers): every round streams,
@@ -213,23 +213,16 @@ class RooflineGovernor(Governor):
         return min(self.k_max, max(widest + FRONTIER_STEP, 2 * widest))
 
     def best_k(self) -> int | None:
-        best, best_rate, fastest, fastest_rate, rows, frontier = None, -1.0, None, -1.0, self.table(), self.frontier()
-        for row in rows:
-            rate = row["predicted_tokens_per_s"]
-            if rate is None:
-                return None
-            if row["k"] > frontier:
-                break
-            if rate > fastest_rate:
-                fastest, fastest_rate = row["k"], rate
-            if self.max_latency_ms is not None and 1e3 / rate > self.max_latency_ms:
-                continue
-            if rate > best_rate:
-                best, best_rate = row["k"], rate
-        if best is None:  # no k meets max_latency_ms
-            best, best_rate = fastest, fastest_rate
+        rows, frontier = self.table(), self.frontier()
+        rates = [row["predicted_tokens_per_s"] for row in rows[: frontier + 1]]  # rows by k: 0, 1, ...
+        if None in rates:
+            return None
+        cap = self.max_latency_ms
+        meeting = [k for k, rate in enumerate(rates) if cap is None or 1e3 / rate <= cap]
+        best = max(meeting or range(len(rates)), key=lambda k: rates[k])  # none meets the cap: the fastest
+        best_rate = rates[best]
         held = self.probes.last_best
-        if best is not None and held is not None and held != best:  # held <= frontier: it never narrows
+        if held is not None and held != best:  # held <= frontier: it never narrows
             rate = rows[held]["predicted_tokens_per_s"]
             latency_ok = self.max_latency_ms is None or 1e3 / rate <= self.max_latency_ms
             margin = HOLD_MARGIN if held and best else SWITCH_MARGIN  # turning speculation on or off: its own
@@ -305,9 +298,9 @@ class RooflineGovernor(Governor):
         if verdict in (LOOK, CHANGE):  # the estimates are off: look around soon
             self.probes.soon(self.rounds, later=False)
         if verdict == CHANGE and not self._calibration:
-            neighbours = dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)])
-            # a plain neighbour twice: the first, right after a drafted round, is warm (see next_k)
-            self._calibration = [v for c in neighbours if c != drafted for v in ([0, 0] if c == 0 else [c])]
+            for neighbour in dict.fromkeys([max(0, drafted - 1), min(self.k_max, drafted + 1)]):
+                if neighbour != drafted:  # a plain one twice: the first, right after a drafted round, is warm
+                    self._calibration += [neighbour] * (2 if neighbour == 0 else 1)
 
     def _judge(self, drafted: int, timings: dict, transition: bool, place: int) -> str:
         """Records the round's measured time and, for a chosen round, ``RoundWatch``'s verdict on
