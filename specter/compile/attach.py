@@ -2,8 +2,8 @@
 
 Contract: ``compile_engine(engine, max_k=None, cuda_graphs=None)`` builds the ``CompiledDecoder``
 an engine needs (resident, ondemand, router-lookahead, specter; others raise ``SpecterError``),
-warms it up and sets ``engine.compiled``; ``Engine.forward_logits`` / ``new_kv_cache`` then route through it.
-``max_k``: the most draft tokens a round may verify (default: the governor's ``k_max``, else
+warms it up and sets ``engine.compiled``; ``Engine.forward_logits`` / ``new_kv_cache`` then route
+through it. ``max_k``: the most draft tokens a round may verify (default: the governor's ``k_max``, else
 ``MAX_K``). ``cuda_graphs``: the decoder's option (None: on a CUDA device); True on a CPU runs
 the fused steps as a CUDA device does, with no call to the host from a graph (a cache step
 drains the link first and reruns layered when an expert is missing, and replays the cache's

@@ -123,9 +123,9 @@ class Engine:
         self, prompt_ids: list[int], max_new_tokens: int, generator, metrics, on_step: StepCallback | None
     ) -> list[int]:
         """The one decoding loop of every engine: prefill, then rounds (``decode_round``) until
-        max_new_tokens or an end-of-sequence token (any of ``eos_token_ids``). ``on_step`` sees the new tokens after the prefill and after every
-        round; ``StopDecoding`` from it ends this prompt with the tokens so far, any other
-        exception stops decoding and propagates."""
+        max_new_tokens or an end-of-sequence token (any of ``eos_token_ids``). ``on_step`` sees the
+        new tokens after the prefill and after every round; ``StopDecoding`` from it ends this
+        prompt with the tokens so far, any other exception stops decoding and propagates."""
         kv = self.new_kv_cache()
         self.start_prompt()
         token = self.prefill(prompt_ids, kv, generator, metrics)

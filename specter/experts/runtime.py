@@ -56,8 +56,8 @@ from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_f
 
 from specter.kernels.grouped_experts import (PairsByExpert, PairsBySlot, grouped_experts, is_silu_glu, supports,
                                              takes_native)
-from specter.model.expert_layout import block_module, chooses_blocked, is_blocked, mark
 from specter.errors import SpecterError
+from specter.model.expert_layout import block_module, chooses_blocked, is_blocked, mark
 from specter.model.layout import MoELayer
 
 IMPLEMENTATION_NAME = "specter"

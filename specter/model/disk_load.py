@@ -13,8 +13,8 @@ only have warned, leaving it at random values).
 ``layer + 1`` decoder layers only, in ``dtype`` (the caller passes the dtype the experts are
 stored in, so nothing is converted; ``auto`` is the config's, which the stored tensors need not
 match; the rest of the checkpoint is not read; a stacked layout stays memory-mapped, so only the
-pages compared are read) and returns that layer's experts module, whose expert 0 the disk tier compares with its own reading of the
-checkpoint before serving it (``DiskExperts.check``).
+pages compared are read) and returns that layer's experts module, whose expert 0 the disk tier
+compares with its own reading of the checkpoint before serving it (``DiskExperts.check``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Generated token ids to text deltas that are safe to send, with OpenAI ``stop`` strings.
 
-Contract: ``TextStream(decode, stop, eos_token_ids)`` (an id, several, or None) is fed the growing list of a request's new
-token ids (``update(ids)``, then ``update(ids, final=True)`` once generation ended) and returns
-each time a ``(delta, stopped)`` pair:
+Contract: ``TextStream(decode, stop, eos_token_ids)`` (an id, several, or None) is fed the growing
+list of a request's new token ids (``update(ids)``, then ``update(ids, final=True)`` once
+generation ended) and returns each time a ``(delta, stopped)`` pair:
 
 - the text is always ``decode(ids)`` of the whole id list (a trailing end-of-sequence token,
-  any of ``eos_token_ids``, dropped), never a concatenation of per-token decodes, so a multi-byte character split across
-  tokens comes out whole: while the decoded text ends in U+FFFD (an incomplete UTF-8 sequence)
+  any of ``eos_token_ids``, dropped), never a concatenation of per-token decodes, so a multi-byte
+  character split across tokens comes out whole: while the decoded text ends in U+FFFD (an incomplete UTF-8 sequence)
   that tail is held back until a later update completes it or the final update flushes it;
 - ``stop`` strings: as soon as the text holds one, it is cut just before it (the earliest one
   when an update completes several; the stop string itself is never sent) and ``stopped`` is
