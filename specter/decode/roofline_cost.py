@@ -339,8 +339,29 @@ class VerifyCost:
                 if predicted > 0:
                     scale = sum(w * v for _, v, _, w in since) / predicted
                     curve = [c * scale for c in curve]
-            self._key, self._curve = key, curve
+            self._key, self._curve = key, self._optimistic_beyond(curve)
         return self._curve
+
+    def _optimistic_beyond(self, curve: list[float] | None) -> list[float] | None:
+        """Past the widest width measured, no dearer than that width's cost scaled by the distinct
+        experts read (what a memory-bound verification costs), up to the widths whose experts
+        stream past the cache's slots where the fit has that term (that cliff is real, and the
+        frontier reaches it step by step). Why: the fit's per-token term, set by narrow widths,
+        where tokens and experts grow almost alike, can price wide rounds far too dear; a width
+        priced too dear is never chosen, so never measured, so never corrected, while one priced
+        too cheap is chosen once, measured, and the fit learns it (bp82's compiled twin at 50% on
+        ``local`` held k = 7 for 14 of 19 rounds, its fit pricing k = 32 at 188 ms, 1.6x)."""
+        widest = max((t for t, *_ in self.samples), default=0)
+        if curve is None or widest < 2:
+            return curve
+        per_expert = curve[widest] / distinct_experts(widest, self.n_experts, self.top_k)
+        optimistic = list(curve)
+        for t in range(widest + 1, len(curve)):
+            experts = distinct_experts(t, self.n_experts, self.top_k)
+            if self.cache_slots_per_layer is not None and experts > self.cache_slots_per_layer:
+                break
+            optimistic[t] = min(curve[t], per_expert * experts)
+        return optimistic
 
     def _through(self, samples, now: int) -> list[float] | None:
         weighted = [(t, v, w * _age_weight(now, r)) for t, v, r, w in samples]

@@ -5,6 +5,7 @@ are reproducible). ``drive`` runs a governor on one, ``fixed_rate`` a fixed k.""
 
 from __future__ import annotations
 
+import math
 import random
 
 from specter.decode.roofline import RooflineGovernor
@@ -134,3 +135,30 @@ def drive_prompts(governor, machine: Machine, prompts: int, new_tokens: int, log
             left -= 1 + accepted
             if log is not None:
                 log.append((1 + accepted, timings["round_s"]))
+
+
+class ScatteredComputeMachine(Machine):
+    """A compiled verification on a busy CPU (the widened model at 50% on ``local``): ``verify(T) =
+    fixed + per_expert * 4 layers * distinct(T) + per_token * T``, fitted to bp82's rows (2.9 ms a
+    distinct expert of a layer over four layers, 1.1 ms a token), and every round's verification
+    scattered by a lognormal factor of ``sigma`` (mean 1), as a noisy machine's rounds are; each
+    draft position accepted with ``p`` (bp82's acceptance by k follows p = 0.97)."""
+
+    def __init__(self, seed: int, p: float = 0.97, sigma: float = 0.22, fixed: float = 4e-3,
+                 per_expert: float = 0.725e-3, per_token: float = 1.1e-3, draft: float = 1.85e-3) -> None:
+        super().__init__(p, 0.0, per_expert=per_expert, draft=draft, host=3e-4)
+        self.rng, self.sigma, self.fixed, self.per_token = random.Random(seed), sigma, fixed, per_token
+
+    def mean_verify_s(self, width: int) -> float:
+        return self.fixed + self.per_expert * 4 * distinct_experts(width, 16, 2) + self.per_token * width
+
+    def round(self, k: int) -> tuple[int, dict]:
+        accepted = 0
+        while accepted < k and self.rng.random() < self.p:
+            accepted += 1
+        scatter = math.exp(self.rng.gauss(0.0, self.sigma) - self.sigma ** 2 / 2)
+        steps = k + 1 if k else 0
+        timings = {"draft_s": steps * self.draft, "flush_s": 0.0, "verify_s": self.mean_verify_s(k + 1) * scatter,
+                   "host_s": self.host, "draft_steps": steps, "verify_io_wait_s": 0.0}
+        timings["round_s"] = timings["draft_s"] + timings["verify_s"] + timings["host_s"]
+        return accepted, timings

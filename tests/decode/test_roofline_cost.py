@@ -27,6 +27,20 @@ def test_the_cost_follows_experts_tokens_and_streaming_through_noisy_widths():
     assert curve == sorted(curve)
 
 
+def test_past_the_widest_width_measured_the_cost_scales_by_distinct_experts():
+    # narrow widths whose cost happens to follow the tokens: extrapolated, width 17 would be priced
+    # 0.17 s; scaled from width 4 by the experts it reads, 0.04 * u(17) / u(4) (0.087 s)
+    model = VerifyCost(16, 2, k_max=16, cache_slots_per_layer=None)
+    for i, width in enumerate([2, 3, 4] * 4):
+        model.add(width, 0.01 * width, i)
+    curve = model.curve(now=12, changed_at=-1)
+    assert curve[2:5] == pytest.approx([0.02, 0.03, 0.04])
+    assert curve[17] == pytest.approx(0.04 * u(17) / u(4))
+    assert curve == sorted(curve)
+    model.add(17, 0.17, 12)  # once measured, the wide width counts as measured
+    assert model.curve(now=13, changed_at=-1)[17] > 0.15
+
+
 def test_after_a_change_the_rounds_since_scale_the_curve_until_they_span_three_widths():
     model = VerifyCost(16, 2, k_max=8, cache_slots_per_layer=None)
     for i, width in enumerate([2, 3, 5, 7, 9, 2, 3, 5, 7, 9]):

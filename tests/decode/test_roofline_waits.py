@@ -32,7 +32,9 @@ def test_scattered_waits_reported_apart_leave_every_width_predicted_by_its_mean(
     # does not scatter) fitted through the widths: every width within 10% of its mean cost, over
     # four draws (2-6% since a width's residual counts n / (n + 4) of itself, stop 42). With the waits
     # inside the fit (an engine that does not report them), the widths measured a few times carry
-    # their rounds' luck: 7-14% off in the same draws (6-86% with the residual at n / (n + 1);
+    # their rounds' luck: 7-14% off in the same draws (since stop 75, where widths past the widest
+    # measured are scaled by distinct experts, three of the four, and 10x the reported draws' sum;
+    # 6-86% with the residual at n / (n + 1);
     # 7-205% before a lone round far off its prediction was held back, stop 37)
     def run(seed: int, reports_waits: bool) -> tuple[float, float]:
         machine = WaitingMachine(0.95, 0.0, per_expert=3e-3, wait_per_token=5e-3)
@@ -53,7 +55,7 @@ def test_scattered_waits_reported_apart_leave_every_width_predicted_by_its_mean(
     fitted = [run(seed, False) for seed in range(4)]
     best = max(fixed_rate(WaitingMachine(0.95, 0.0, per_expert=3e-3, wait_per_token=5e-3), k, 2000) for k in range(9))
     assert max(error for error, _ in reported) < 0.1
-    assert min(error for error, _ in fitted) > 0.05
+    assert sorted(error for error, _ in fitted)[1] > 0.05  # three draws of four
     assert sum(error for error, _ in fitted) > 1.5 * sum(error for error, _ in reported)
     assert sum(rate for _, rate in reported) / 4 >= 0.94 * best
 
