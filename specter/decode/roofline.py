@@ -29,7 +29,8 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   holding what the previous k needed, counts ``TRANSITION_WEIGHT`` of a steady round: on the
   2 GB/s link at 50% a k = 2 round right after k = 1 ones took 97-113 ms, the next one 45-100);
   rounds since conditions last changed count alone once they span three widths (until then
-  they scale the fit through the rounds before); the curve is non-decreasing in T. A plain
+  they scale the fit through the rounds before); the curve is non-decreasing in T, and past the
+  widest width measured no dearer than that width's cost scaled by distinct experts. A plain
   round (T = 1) keeps its own average (``PlainRound``), but is priced no cheaper than its own
   average less its transfer waits plus the waits a drafted round has at this place
   (``PromptWaits.per_distinct``; every place pooled where every round streams) per distinct expert
