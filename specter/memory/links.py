@@ -87,8 +87,11 @@ class CopyThreadLink(Link):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._closing = threading.Lock()  # a submit and a close never interleave: nothing queued behind the stop
-        self._worker = threading.Thread(target=self._serve, name=f"specter-{self.kind}-link", daemon=True)
+        # the worker holds the link weakly: a link dropped without close() (its engine garbage) stops it
+        self._worker = threading.Thread(target=_serve, args=(weakref.ref(self), self._queue),
+                                        name=f"specter-{self.kind}-link", daemon=True)
         self._worker.start()
+        self._stop_when_dropped = weakref.finalize(self, self._queue.put, _STOP)
         _OPEN.add(self)
 
     def _due(self, submitted: float, previous_completion: float, nbytes: int) -> float:
@@ -112,6 +115,7 @@ class CopyThreadLink(Link):
             if self._closed:
                 return
             self._closed = True
+            self._stop_when_dropped.detach()
             self._queue.put(_STOP)
         self._worker.join()
         _OPEN.discard(self)
@@ -120,24 +124,32 @@ class CopyThreadLink(Link):
     def alive(self) -> bool:
         return self._worker.is_alive()
 
-    def _serve(self) -> None:
-        previous_completion = 0.0
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            transfer, dst, src, submitted = item
-            due = self._due(submitted, previous_completion, transfer.nbytes)
-            try:
-                self._copy(dst, src, due)
-            except BaseException as error:  # handed to the caller through wait()
-                transfer._finish(error)
-                previous_completion = time.perf_counter()
-                continue
-            while (remaining := due - time.perf_counter()) > 0:
-                time.sleep(remaining)
-            transfer._finish()
+def _serve(link_ref: "weakref.ref[CopyThreadLink]", work: queue.SimpleQueue) -> None:
+    """A copy thread's loop: each transfer in FIFO order until the stop (``close()``, or the link
+    garbage: its finalizer queues the stop behind the transfers already submitted)."""
+    previous_completion = 0.0
+    while True:
+        item = work.get()
+        if item is _STOP:
+            return
+        transfer, dst, src, submitted = item
+        link = link_ref()
+        if link is None:  # cannot happen while a submitter holds the link; finish rather than strand a waiter
+            transfer._finish(SpecterError("the link was dropped before this copy ran"))
+            continue
+        due = link._due(submitted, previous_completion, transfer.nbytes)
+        try:
+            link._copy(dst, src, due)
+        except BaseException as error:  # handed to the caller through wait()
+            transfer._finish(error)
             previous_completion = time.perf_counter()
+            continue
+        finally:
+            del link
+        while (remaining := due - time.perf_counter()) > 0:
+            time.sleep(remaining)
+        transfer._finish()
+        previous_completion = time.perf_counter()
 
 
 def _spare_core() -> bool:

@@ -254,3 +254,17 @@ def test_leaving_a_with_block_closes_the_engine_and_its_link(zoo_mixtral):
         assert engine.link.alive
         engine.generate([[1, 17, 93]], max_new_tokens=2)
     assert not engine.link.alive
+
+
+@pytest.mark.parametrize("name", ("ondemand", "specter"))
+def test_an_engine_dropped_without_close_stops_its_copy_thread(name, zoo_mixtral):
+    import gc
+
+    link = {"kind": "emulated", "gbps": 1.0}
+    engine = specter.load(recipe(zoo_mixtral, name, offload={"expert_budget": 0.5, "link": link}))
+    engine.generate([[1, 17, 93]], max_new_tokens=4)
+    worker = engine.link._worker
+    del engine
+    gc.collect()
+    worker.join(timeout=5.0)
+    assert not worker.is_alive()

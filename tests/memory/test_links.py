@@ -162,6 +162,21 @@ def test_copy_thread_links_still_open_are_closed_at_exit_after_their_copies() ->
     assert all(torch.equal(dst[n], src[n]) for n in src)
 
 
+@pytest.mark.parametrize("make", [lambda: EmulatedLink(gbps=1.0), lambda: LocalLink(copy_thread=True)])
+def test_a_copy_thread_link_dropped_without_close_stops_its_worker(make) -> None:
+    import gc
+
+    link = make()
+    dst, src = pair(4096)
+    link.submit(dst, src, 0).wait()
+    worker = link._worker
+    del link
+    gc.collect()
+    worker.join(timeout=5.0)
+    assert not worker.is_alive()  # it held the link: the thread lived until the interpreter's exit
+    assert all(torch.equal(dst[n], src[n]) for n in src)
+
+
 def test_emulated_idle_link_does_not_bank_time() -> None:
     link = EmulatedLink(gbps=1.0, latency_us=2000.0)
     try:
