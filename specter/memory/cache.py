@@ -1,22 +1,13 @@
-"""ExpertCache: a fixed number of device slots holding full-precision experts, and their table.
+"""ExpertCache: a fixed number of device slots holding full-precision experts, filled over a link.
 
-Contract:
-- Device memory is allocated once: ``slots[name]`` is ``[n_slots, *per_expert_shape]`` for every
-  parameter name of the store. Contents change, shapes never; ``bytes == n_slots * expert_bytes``;
-  ``fraction_held``: ``capacity`` over every expert of every layer of the store.
-  With ``huge_pages`` on a CPU device the slots lie on 2 MiB pages (``specter.memory.slots``).
-- A slot is FREE, LOADING (a ``Transfer`` is in flight into it) or READY. A key ``(layer, expert)``
-  occupies at most one slot and a slot holds at most one key.
-- ``slot_table`` (``[len(store.layers), n_experts]`` long, on the device, row = position of the
-  layer in ``store.layers``, ``table_rows[layer]``; ``specter.memory.slots.SlotTable``) holds the
-  slot of every READY key and -1 elsewhere, so compiled code can read slots without the host.
+Contract (the slots, their states, the slot table and the queries: ``specter.memory.slot_book``):
 - ``acquire(layer, experts)`` returns the slots of those experts, in order, READY and pinned: every
   copy into them is complete, and no eviction or prefetch touches them until ``release``
   (``wait=False``: pinned, their copies started, some LOADING: see ``await_any``). Misses
   are loaded on demand, evicting (through the policy) unpinned keys: FREE slots first, then
   unprotected READY keys, then protected ones, then keys still loading (after waiting for them).
   More distinct experts than ``capacity`` raise ``BudgetError``; so do more misses than there are
-  unpinned slots (a caller holding earlier steps' slots).
+  unpinned slots (a caller holding earlier steps' slots), and fewer than one slot.
 - ``prefetch`` never blocks and never evicts a pinned, protected or loading key.
 - All state lives on the caller's thread. A link may complete transfers on another thread; the
   cache only reads ``Transfer.done()`` there, promoting finished LOADING slots in ``poll()``.
@@ -35,28 +26,21 @@ Contract:
 
 from __future__ import annotations
 
-import enum
 from typing import Iterable, Sequence
 
 import torch
 
 from specter.errors import BudgetError, SpecterError
-from specter.memory.stats import CacheStats
-from specter.plugins import call_plugin
 from specter.memory.copy_repair import CopyRepair
 from specter.memory.link import Link, Transfer, TransferTimeout, copy_all, wait_for
-from specter.memory.slots import SlotTable, allocate_slots
-from specter.policies.base import CachePolicy, ExpertKey
+from specter.memory.slot_book import SlotBook, SlotState
+from specter.memory.stats import CacheStats
 from specter.memory.store import ExpertStore
+from specter.plugins import call_plugin
+from specter.policies.base import CachePolicy, ExpertKey
 
 
-class SlotState(enum.Enum):
-    FREE = "free"
-    LOADING = "loading"
-    READY = "ready"
-
-
-class ExpertCache:
+class ExpertCache(SlotBook):
     def __init__(
         self,
         store: ExpertStore,
@@ -70,44 +54,16 @@ class ExpertCache:
     ) -> None:
         if n_slots < 1:
             raise BudgetError(f"offload.expert_budget: the cache needs at least 1 slot, got {n_slots}")
-        self.store = store
-        self.n_slots = n_slots
-        self.device = torch.device(device)
+        super().__init__(store, n_slots, device, policy, huge_pages)
         self.link = link
-        self.policy = policy
         self.transfer_timeout_s = transfer_timeout_s
         self.verify_copies = verify_copies
         self._repair = CopyRepair(store)
         self.stats = CacheStats()
-        self.slots = allocate_slots(store, n_slots, self.device, huge_pages)
-        self._slot_views = [{name: buffer[slot] for name, buffer in self.slots.items()} for slot in range(n_slots)]
-        self._table = SlotTable(store.layers, store.n_experts, self.device)
-        self.slot_table = self._table.tensor
-        self.table_rows: dict[int, int] = dict(self._table.rows)  # decoder layer -> its row of slot_table
-        self._key_in: list[ExpertKey | None] = [None] * n_slots
-        self._state: list[SlotState] = [SlotState.FREE] * n_slots
-        self._pins: list[int] = [0] * n_slots
-        self._slot_of: dict[ExpertKey, int] = {}
         self._loading: dict[int, Transfer] = {}
         self._broken: set[int] = set()  # LOADING slots whose copy and repair failed: freed when unpinned
-        self._protected: set[ExpertKey] = set()
-        self._unused_prefetches: set[ExpertKey] = set()
 
-    # ----- sizes and queries -------------------------------------------------------------------
-
-    @property
-    def capacity(self) -> int:
-        """The most distinct experts one ``acquire`` may ask for."""
-        return self.n_slots
-
-    @property
-    def bytes(self) -> int:
-        return self.n_slots * self.store.expert_bytes
-
-    @property
-    def fraction_held(self) -> float:
-        """The share of all the store's experts (every layer's) the cache holds at once."""
-        return self.capacity / (self.store.n_experts * len(self.store.layers))
+    # ----- queries that poll -------------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
@@ -115,38 +71,10 @@ class ExpertCache:
         self.poll()
         return len(self._loading)
 
-    def contains(self, key: ExpertKey) -> bool:
-        return key in self._slot_of
-
     def is_ready(self, key: ExpertKey) -> bool:
         self.poll()
         slot = self._slot_of.get(key)
         return slot is not None and self._state[slot] is SlotState.READY
-
-    def resident_keys(self) -> list[ExpertKey]:
-        """Keys in a slot, READY or LOADING, sorted."""
-        return sorted(self._slot_of)
-
-    def slot_of(self, key: ExpertKey) -> int | None:
-        return self._slot_of.get(key)
-
-    def key_in(self, slot: int) -> ExpertKey | None:
-        return self._key_in[slot]
-
-    def state(self, slot: int) -> SlotState:
-        return self._state[slot]
-
-    def pin_count(self, slot: int) -> int:
-        return self._pins[slot]
-
-    def pinned_keys(self) -> set[ExpertKey]:
-        return {k for s, k in enumerate(self._key_in) if k is not None and self._pins[s] > 0}
-
-    def protected_keys(self) -> frozenset[ExpertKey]:
-        return frozenset(self._protected)
-
-    def slot_views(self, slot: int) -> dict[str, torch.Tensor]:
-        return dict(self._slot_views[slot])
 
     # ----- the step's side ---------------------------------------------------------------------
 
@@ -254,20 +182,6 @@ class ExpertCache:
         self._unused_prefetches.add(key)
         return True
 
-    def protect(self, keys: Iterable[ExpertKey]) -> None:
-        """Keys the next step needs: prefetches will not evict them (demand loads still may)."""
-        self._protected.update((int(layer), int(e)) for layer, e in keys)
-
-    def spare_slots(self) -> int:
-        """Slots a prefetch could take now: FREE ones and READY, unpinned, unprotected ones."""
-        return self._state.count(SlotState.FREE) + len(self._evictable(protected_too=False))
-
-    def unprotect(self, keys: Iterable[ExpertKey]) -> None:
-        self._protected.difference_update((int(layer), int(e)) for layer, e in keys)
-
-    def unprotect_all(self) -> None:
-        self._protected.clear()
-
     def poll(self) -> None:
         """Promote every LOADING slot whose transfer has completed to READY."""
         for slot in [s for s, t in self._loading.items() if t.done()]:
@@ -295,29 +209,6 @@ class ExpertCache:
             self._mark_ready(slot)
 
     # ----- internals ---------------------------------------------------------------------------
-
-    def _key(self, layer: int, expert: int) -> ExpertKey:
-        if layer not in self._table.rows:
-            raise SpecterError(f"layer {layer} is not an MoE layer of this model (have {self.store.layers})")
-        if not 0 <= expert < self.store.n_experts:
-            raise SpecterError(f"expert {expert} out of range 0..{self.store.n_experts - 1}")
-        return (layer, expert)
-
-    def _first_free_slot(self) -> int | None:
-        for slot, state in enumerate(self._state):
-            if state is SlotState.FREE:
-                return slot
-        return None
-
-    def _evictable(self, protected_too: bool) -> list[ExpertKey]:
-        """READY, unpinned keys (and protected ones only when asked)."""
-        return [
-            key for slot, key in enumerate(self._key_in)
-            if key is not None
-            and self._state[slot] is SlotState.READY
-            and self._pins[slot] == 0
-            and (protected_too or key not in self._protected)
-        ]
 
     def _claim_slot_for_demand(self) -> int:
         slot = self._first_free_slot()
@@ -348,22 +239,6 @@ class ExpertCache:
             self.stats.prefetch_wasted += victim in self._unused_prefetches
         self._forget(slot)
         return slot
-
-    def _forget(self, slot: int) -> None:
-        """The slot FREE, its key out of the cache and the table, the policy told."""
-        key = self._key_in[slot]
-        del self._slot_of[key]
-        self._key_in[slot] = None
-        self._state[slot] = SlotState.FREE
-        self._table.set(key, -1)
-        self._unused_prefetches.discard(key)
-        call_plugin("cache_policy", self.policy, "on_evict", key)
-
-    def _occupy(self, key: ExpertKey, slot: int) -> None:
-        assert self._state[slot] is SlotState.FREE and self._key_in[slot] is None
-        self._key_in[slot] = key
-        self._slot_of[key] = slot
-        call_plugin("cache_policy", self.policy, "on_insert", key)
 
     def _start_load(self, key: ExpertKey, slot: int) -> None:
         self._occupy(key, slot)
@@ -429,9 +304,3 @@ class ExpertCache:
         key = self._key_in[slot]
         assert key is not None
         return self._repair.intact(self.slot_views(slot), key)
-
-    def _mark_ready(self, slot: int) -> None:
-        key = self._key_in[slot]
-        assert key is not None
-        self._state[slot] = SlotState.READY
-        self._table.set(key, slot)
