@@ -17,8 +17,12 @@ mapping) of the form::
       twins: []                                  # rows run twice, as identical engines (A/A)
 
 ``twins`` names rows (``specter k=4``, ``specter roofline``, ``ondemand``, ...) of which the
-sweep builds a second, identical engine (``<label> (twin)``) that takes its turns beside the
-first: how far apart two copies of one engine land in a cell is the run's noise floor.
+sweep builds a second, identical engine (``<label> (twin)``) that takes its turns in the same cells
+and repeats (after the cell's other offloaded engines): how far apart two copies of one engine land
+in a cell is the run's noise floor. With neither ``k`` nor ``governors`` given, the specter rows
+are the run recipe's governor's (its k where it is ``fixed``), as for a plain run recipe.
+``warmup_tokens`` is at least 1; the run recipe's ``max_new_tokens`` at least 2 (the first token
+comes from the prefill, so one alone leaves no decode to time).
 
 ``budgets`` takes every form of ``offload.expert_budget`` (a fraction, ``{per_layer: N}``,
 ``{experts: N}``, a byte size like ``2MiB``), kept as written; two naming one budget (``2MiB``,
@@ -200,6 +204,10 @@ def _links(sweep: Mapping, base: Recipe) -> dict[str, dict]:
 
 
 def _specter_rows(sweep: Mapping, base: Recipe, engines: Sequence[str]) -> tuple[list[int], list[str]]:
+    """The fixed k values and governors of the specter rows; with neither given, the run recipe's
+    governor: its k where it is ``fixed``, else a row of that governor."""
+    if "k" not in sweep and "governors" not in sweep and base.speculation.governor.name != "fixed":
+        sweep = {**sweep, "k": [], "governors": [base.speculation.governor.name]}
     ks = sweep.get("k", [base.speculation.governor.k])
     if not isinstance(ks, (list, tuple)) or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K for k in ks):
         raise _error("sweep.k", f"expected a list of integers in 1..{MAX_K}, got {ks!r:.60}")
@@ -276,6 +284,9 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
         base = load_recipe(run_raw, overrides, source_dir=source_dir)
     except SpecterError as error:
         raise (error if single_cell else _within("run", error)) from None
+    if base.max_new_tokens < 2:  # the first token comes from the prefill: no decode to time
+        raise _error("max_new_tokens" if single_cell else "run.max_new_tokens",
+                     f"a bench times decoding, which needs at least 2 new tokens a prompt, got {base.max_new_tokens}")
     if single_cell:
         sweep_raw = {"budgets": [base.offload.expert_budget.to_recipe_value()],
                      "links": {base.offload.link.kind: base.offload.link.to_dict()},
@@ -298,7 +309,7 @@ def load_bench(source: str | Path | Mapping, overrides: Sequence[str] = (), swee
     if not all(isinstance(c, bool) for c in compile_modes):
         raise _error("sweep.compile", f"expected a list of booleans, got {compile_modes!r:.60}")
     repeats, warmup = sweep_raw.get("repeats", 2), sweep_raw.get("warmup_tokens", 8)
-    for key, value, low in (("repeats", repeats, 1), ("warmup_tokens", warmup, 0)):
+    for key, value, low in (("repeats", repeats, 1), ("warmup_tokens", warmup, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise _error(f"sweep.{key}", f"expected an integer >= {low}, got {value!r:.60}")
     replaced = set(sweep_overrides) if single_cell else set(sweep_raw) & set(SWEEP_KEYS)

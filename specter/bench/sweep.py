@@ -102,7 +102,7 @@ class Sweep:
         self.runs: dict[tuple, list[dict]] = {}  # (label, budget key, link, compile) -> reports
         self.tokens: dict[tuple, list[list[int]]] = {}
         self.cells: dict[tuple, dict[str, list[float]]] = {}  # (budget key, link, compile) -> label -> tok/s runs
-        self.meta: dict[str, dict] = {}  # label -> {engine, k, governor, note}
+        self.meta: dict[tuple, dict] = {}  # (label, budget key; None for resident) -> {engine, k, governor, note}
         self.read_rates: dict[tuple, float | None] = {}  # (label, budget key, link, compile) -> GiB/s (memory_rate)
         self.cell_steps: dict[tuple, list[float]] = {}  # (budget key, link, compile) -> resident's decode_step_s runs
         self.reference: list[list[int]] | None = None
@@ -152,12 +152,13 @@ class Sweep:
             plans[SAME_MEMORY] = ("ondemand", None, [f"offload.expert_budget={same_bytes}B"],
                                   {"engine": "ondemand", "note": note})
             group[SAME_MEMORY] = build(SAME_MEMORY)
+        bkey = budget_of.key(budget)
         for label, (*_, meta) in plans.items():
-            self.meta[label] = meta
+            self.meta[(label, bkey)] = meta  # a budget's own: the same-memory engine's note names its bytes
             if label in spec.twins:  # an identical second engine: the cell's noise floor
                 twin = label + TWIN_SUFFIX
                 group[twin] = build(label, twin)
-                self.meta[twin] = {**meta, "twin_of": label}
+                self.meta[(twin, bkey)] = {**meta, "twin_of": label}
         return group
 
     # ----- running ----------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class Sweep:
         """Every engine of the (budget, link) cells of every compile mode, keyed by (label,
         compiled), warmed up (after a progress line saying so), then taking turns prompt by prompt
         for ``repeats`` repeats."""
-        bkey, tokens = budget_of.key(budget), self.spec.warmup_tokens or 1
+        bkey, tokens = budget_of.key(budget), self.spec.warmup_tokens
         modes = " and ".join(dict.fromkeys("compiled" if compile else "eager" for _, compile in engines))
         self.progress.log(f"[{_cell_name(budget, link, modes)}] warming up {len(engines)} engine"
                           f"{'' if len(engines) == 1 else 's'} ({tokens} token{'' if tokens == 1 else 's'} each) ...")
@@ -191,7 +192,8 @@ class Sweep:
                     self.cell_steps.setdefault((bkey, link, compile), []).append(result.report["decode_step_s"])
                 self.progress.step()
                 mode = "compiled" if compile else "eager"
-                self.progress.log(f"[{_cell_name(budget, link, mode)} #{repeat + 1}] {label}: {rate:.2f} tok/s")
+                shown = "- (no decode step timed)" if rate is None else f"{rate:.2f} tok/s"
+                self.progress.log(f"[{_cell_name(budget, link, mode)} #{repeat + 1}] {label}: {shown}")
         for (label, compile), engine in engines.items():  # after the timed runs: where each one's memory landed
             key = scopes.get((label, compile), (label, bkey, link, compile))
             if key not in self.read_rates:  # an engine scoped over cells (resident) is read once
@@ -206,13 +208,13 @@ class Sweep:
         residents = {}
         if "resident" in spec.engines:
             residents = {compile: self._build("resident", "resident", None, None, compile) for compile in spec.compile}
-            self.meta["resident"] = {"engine": "resident"}
+            self.meta[("resident", None)] = {"engine": "resident"}
         for budget in spec.budgets:
             groups = {compile: self._offloaded_group(budget, links[0], compile) for compile in spec.compile}
             hf = None
             if "hf-offload" in spec.engines:
                 hf = self._build("hf-offload", "hf-offload", budget, None, False)
-                self.meta["hf-offload"] = {"engine": "hf-offload", "note": _hf_note(hf)}
+                self.meta[("hf-offload", budget_of.key(budget))] = {"engine": "hf-offload", "note": _hf_note(hf)}
             for index, link in enumerate(links):
                 cell, scopes = {}, {}
                 for compile, group in groups.items():
@@ -240,28 +242,31 @@ class Sweep:
     # ----- the document -----------------------------------------------------------------------
 
     def rows(self) -> list[dict]:
-        hf_medians = {key[1]: statistics.median(r["decode_tokens_per_s"] for r in reports)
+        hf_medians = {key[1]: _median([r["decode_tokens_per_s"] for r in reports])
                       for key, reports in self.runs.items() if key[0] == "hf-offload"}
         out = []
         for key, reports in self.runs.items():
             label, bkey, link, compile = key
             rates = [r["decode_tokens_per_s"] for r in reports]
+            timed = [rate for rate in rates if rate is not None]  # None: a run with no decode step to time
             last = reports[-1]
-            median = statistics.median(rates)
+            median = _median(rates)
             ratios = {}
-            if link is not None:
-                cell = {name: statistics.median(v) for name, v in self.cells[(bkey, link, compile)].items()}
+            if link is not None and median is not None:
+                cell = {name: _median(v) for name, v in self.cells[(bkey, link, compile)].items()}
                 if bkey in hf_medians:
                     cell.setdefault("hf-offload", hf_medians[bkey])
-                ratios = {base: median / cell[base] for base in BASELINES if base in cell and base != label}
-            meta = self.meta.get(label, {"engine": label})
+                ratios = {base: median / cell[base] for base in BASELINES
+                          if base != label and cell.get(base)}
+            meta = self.meta.get((label, bkey), {"engine": label})
             greedy = self.spec.recipe.sampling.temperature == 0
             steps = [r["decode_step_s"] for r in reports if r.get("decode_step_s") is not None]
             single = self.cell_steps.get((bkey, link, compile)) if link is not None else None
             out.append({
                 "engine": meta["engine"], "label": label, "k": meta.get("k"), "governor": meta.get("governor"),
                 "budget": self.written.get(bkey), "link": link, "compile": compile,
-                "decode_tokens_per_s": {"median": median, "min": min(rates), "max": max(rates), "runs": rates},
+                "decode_tokens_per_s": {"median": median, "min": min(timed, default=None),
+                                        "max": max(timed, default=None), "runs": rates},
                 "hit_rate": last.get("hit_rate"), "io_wait_share": last.get("io_wait_share"),
                 "copies_per_token": last.get("copies_per_token"), "acceptance_rate": last.get("acceptance_rate"),
                 "mean_accepted_per_step": last.get("mean_accepted_per_step"),
@@ -362,3 +367,9 @@ def _prefetch_state(prediction: dict | None) -> dict | None:
         return None
     return {"mode": prediction["prefetch_mode"], "conservative": prediction.get("conservative_now"),
             "lazy": prediction.get("lazy_now"), "transfer_wait_share": prediction.get("transfer_wait_share")}
+
+
+def _median(rates: list[float | None]) -> float | None:
+    """The median of the runs that timed a decode (None where none did)."""
+    timed = [rate for rate in rates if rate is not None]
+    return statistics.median(timed) if timed else None

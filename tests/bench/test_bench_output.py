@@ -66,7 +66,7 @@ def test_a_mistaken_option_is_one_line(capsys, argv, expected):
     (["--repeats", "0"], "error: --repeats (sweep.repeats): expected an integer >= 1, got 0"),
     (["--engines", "resident,nope"], "error: --engines (sweep.engines[1]): unknown engine 'nope'"),
     (["--links", "{a: {kind: warp}}"], "error: --links (sweep.links.a): offload.link.kind: unknown link 'warp'"),
-    (["--warmup-tokens", "-1"], "error: --warmup-tokens (sweep.warmup_tokens): expected an integer >= 0"),
+    (["--warmup-tokens", "-1"], "error: --warmup-tokens (sweep.warmup_tokens): expected an integer >= 1"),
     (["--set", "warmup_tokens=8"], "error: --set warmup_tokens: a sweep key, not a run-recipe key: use --warmup-tokens"),
     (["--set", "sweep.repeats=3"], "error: --set sweep.repeats: a sweep key, not a run-recipe key: use --repeats"),
 ])

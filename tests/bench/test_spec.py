@@ -68,6 +68,7 @@ def test_overrides_reach_the_run_recipe_and_the_sweep():
     ({"k": [0]}, "sweep.k"),
     ({"compile": ["yes"]}, "sweep.compile"),
     ({"repeats": 0}, "sweep.repeats"),
+    ({"warmup_tokens": 0}, "sweep.warmup_tokens"),  # the help says at least 1; 0 warmed up one token anyway
     ({"repeets": 2}, "sweep.repeets"),
     ({"k": [2], "twins": ["specter k=4"]}, "sweep.twins[0]"),
     ({"engines": ["ondemand"], "twins": ["ondemand", "router-lookahead"]}, "sweep.twins[1]"),
@@ -77,6 +78,26 @@ def test_mistakes_name_the_key(sweep, key):
     with pytest.raises(RecipeError) as error:
         load_bench(bench(**sweep))
     assert str(error.value).startswith(key + ":")
+
+
+def test_a_bench_of_one_new_token_a_prompt_is_refused_before_any_engine_is_built():
+    # the first token comes from the prefill: no decode step to time, and the bench failed on a null rate
+    with pytest.raises(RecipeError, match=r"^run.max_new_tokens: a bench times decoding, which needs at least 2"):
+        load_bench({"title": "t", "run": {"model": "bundled:tiny-moe", "max_new_tokens": 1}, "sweep": {}})
+    with pytest.raises(RecipeError, match=r"^max_new_tokens: "):
+        load_bench({"model": "bundled:tiny-moe", "max_new_tokens": 1})
+
+
+def test_without_k_or_governors_the_sweep_takes_the_run_recipes_governor():
+    # as a plain run recipe does; before, a roofline governor set in ``run`` (or by --set) became a
+    # fixed-k row without a word
+    run = {"model": "bundled:tiny-moe", "max_new_tokens": 4, "speculation": {"governor": {"name": "roofline"}}}
+    spec = load_bench({"title": "t", "run": run, "sweep": {"engines": ["specter"]}})
+    assert spec.k == () and spec.governors == ("roofline",) and spec.row_labels() == ["specter roofline"]
+    spec = load_bench(bench(engines=["specter"]), ["speculation.governor.name=roofline"])
+    assert spec.row_labels() == ["specter roofline"]
+    assert load_bench(bench(engines=["specter"])).row_labels() == ["specter k=4"]  # a fixed governor: its k
+    assert load_bench({"title": "t", "run": run, "sweep": {"engines": ["specter"], "k": [2]}}).row_labels() == ["specter k=2"]
 
 
 def test_unknown_top_level_key_and_bad_run_recipe_are_refused():
