@@ -44,10 +44,14 @@ Contract (the three phases of MoE-SpeQ, plus streaming), per speculation round:
    predict those again; evicted by an earlier step's prefetch they would be copied back in the
    same round. A prefetch that finds no other slot waits for the flush, where the round's
    predictions are complete and only the window is protected.
+8. ``reading(layer, experts)``: the experts verification routed the current layer to are
+   protected until it advances past the layer (a predictor that prefetches from a layer's routing
+   runs before that layer acquires its experts).
 ``end_round(used)`` compares what was predicted with what the target used, counts the
 predictions not in the cache when their layer was reached (``not_admitted``), then lifts the
-protection; ``in_round`` says whether a round is open. The cache policy also receives the round's predictions still ahead (the window's
-and those after it) as hints, in need order.
+protection; ``in_round`` says whether a round is open. The cache policy also receives the round's
+predictions still ahead (the window's and those after it) as hints, in need order: none once the
+round ends.
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class PrefetchScheduler:
         self.issue_s = 0.0  # seconds spent issuing prefetches (a synchronous link copies here)
         self._last_read: set[ExpertKey] = set()  # what the previous round's verification read
         self._holding = False  # the last round's reads are protected (a draft is running: point 7)
+        self._reading: set[ExpertKey] = set()  # the experts the current layer was routed to (``reading``)
 
     @property
     def in_round(self) -> bool:
@@ -175,12 +180,14 @@ class PrefetchScheduler:
 
     def _set_window(self, ahead: list[ExpertKey]) -> None:
         """``ahead`` (in need order) is the predictions ahead: the window is its first ``capacity``
-        keys and the cache's protected set exactly the window (conservative: all of ``ahead``)."""
+        keys and the cache's protected set exactly the window and the current layer's routed
+        experts (conservative: all of ``ahead``)."""
         self._ahead = ahead
         self._ahead_version += 1
         self._window = self._ahead[: self.cache.capacity]
         self.cache.unprotect_all()
         self.cache.protect(self._window)
+        self.cache.protect(self._reading)
         if self._holding:
             self.cache.protect(self._last_read)
         if self.conservative:
@@ -247,7 +254,7 @@ class PrefetchScheduler:
     def flush(self) -> None:
         if self._holding:  # the window stays protected: only the hold lifts (no new window, no new hints)
             self._holding = False
-            self.cache.unprotect(self._last_read.difference(self._window))
+            self.cache.unprotect(self._last_read.difference(self._window, self._reading))
         self._send_hints()
         missing = self._missing()
         if missing:
@@ -267,8 +274,19 @@ class PrefetchScheduler:
         too_late = self._count_late(layer)  # the layer's own misses load on demand
         self.stats.not_admitted += too_late
         self._frontier = layer
+        self._reading = {key for key in self._reading if key[0] >= layer}
         self._protect_window()
         self._stream(reserve=too_late)
+
+    def reading(self, layer: int, experts: Sequence[int]) -> None:
+        """Verification routed MoE layer ``layer`` to ``experts`` and is about to acquire them: they
+        stay protected until it advances past the layer, so a prefetch issued from the layer's own
+        routing (``router-lookahead`` observes it before the acquire) cannot evict them."""
+        if not self._active:
+            return
+        keys = {(layer, int(e)) for e in experts}
+        self._reading |= keys
+        self.cache.protect(keys)
 
     def computed(self, layer: int, experts: Sequence[int]) -> None:
         """Verification computed these experts of MoE layer ``layer`` before the rest of it (and
@@ -300,6 +318,7 @@ class PrefetchScheduler:
         self.stats.predicted_and_used += len(predicted & used)
         self._last_read = set(used)
         self._holding = False
+        self._reading = set()
         self.cache.unprotect_all()
         self._beyond_window = []
         if self.mode == "auto":
@@ -308,6 +327,7 @@ class PrefetchScheduler:
         self._predicted.clear()
         self._ahead, self._window = [], []
         self._ahead_version += 1
+        self._send_hints()  # none ahead: a prefill between rounds must not evict by a finished round's hints
         self._active = False
 
     def _observe_wait(self, wait_s: float, round_s: float) -> None:

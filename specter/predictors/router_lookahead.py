@@ -2,7 +2,8 @@
 
 Contract: when the target computes MoE layer L, the hidden state entering its experts is passed
 through the next MoE layer's router weights (plus its bias, if any); the top-k experts of those
-logits, with their softmax probabilities as confidence, are prefetched at once for layer L+1.
+logits, with their softmax probabilities as confidence, are prefetched at once for layer L+1
+(layer L's own routed experts protected meanwhile: ``PrefetchScheduler.reading``).
 No speculation is needed: it works with plain decoding (engine ``router-lookahead``) and as an
 extra source of hints during verification. It cannot predict the first MoE layer.
 """
@@ -43,5 +44,6 @@ class RouterLookaheadPredictor(Predictor):
         if predicted is None:
             return
         next_layer, experts, confidence = predicted
+        self.scheduler.reading(layer, top_k_index.flatten().tolist())  # not evicted by the prefetch below
         self.scheduler.add(next_layer, experts.flatten().tolist(), confidence.flatten().tolist())
         self.scheduler.flush()

@@ -367,3 +367,43 @@ def test_computed_is_ignored_outside_a_round_and_for_verified_layers() -> None:
     before, streamed = len(link.submitted), scheduler.stats.streamed
     scheduler.computed(0, [0])  # a layer already behind the frontier
     assert len(link.submitted) == before and scheduler.stats.streamed == streamed == 1
+
+
+def test_a_finished_rounds_hints_do_not_steer_evictions_after_it() -> None:
+    # the next prompt's prefill demand-loads outside any round; with the finished round's hints
+    # still in the lookahead policy it kept (1, 0), needed by no one, and evicted (0, 3), just read
+    cache, _ = make_cache(n_slots=2, policy=LookaheadPolicy(), layers=(0, 1, 2))
+    cache.preload([(1, 0), (2, 0)])
+    scheduler = PrefetchScheduler(cache, max_in_flight=2)
+    scheduler.begin_round()
+    scheduler.add_many([(1, [0], [0.9]), (2, [0], [0.9])])
+    scheduler.flush()
+    for layer in (1, 2):
+        scheduler.advance(layer)
+        cache.acquire(layer, [0])
+        cache.release(layer, [0])
+    scheduler.end_round({(1, 0), (2, 0)})
+    for expert in (3, 4):
+        cache.acquire(0, [expert])
+        cache.release(0, [expert])
+    assert cache.resident_keys() == [(0, 3), (0, 4)]  # least recently used first, as with no hints
+
+
+def test_the_experts_a_layer_is_routed_to_stay_until_it_has_read_them() -> None:
+    # a predictor that prefetches layer 1 from layer 0's routing runs before layer 0 acquires: the
+    # prefetch of (1, 2) must evict (0, 1), not (0, 0), which layer 0 is about to read
+    cache, link = make_cache(n_slots=2, layers=(0, 1))
+    cache.preload([(0, 1), (0, 0)])  # (0, 1) the least recently used
+    cache.acquire(0, [1])
+    cache.release(0, [1])  # ... now (0, 0) is: LRU alone would evict it
+    scheduler = PrefetchScheduler(cache, max_in_flight=2)
+    scheduler.begin_round()
+    scheduler.advance(0)
+    scheduler.reading(0, [0])
+    scheduler.add(1, [2], [0.9])
+    scheduler.flush()
+    assert submitted_keys(cache, link) == [(1, 2)] and cache.contains((0, 0)) and not cache.contains((0, 1))
+    scheduler.advance(1)  # past layer 0: its experts no longer held
+    assert (0, 0) not in cache.protected_keys()
+    scheduler.end_round({(0, 0), (1, 2)})
+    assert not cache.protected_keys()

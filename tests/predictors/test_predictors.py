@@ -63,9 +63,11 @@ def test_router_lookahead_uses_the_next_layers_router(recording_scheduler):
     predictor, scheduler = RouterLookaheadPredictor(), recording_scheduler()
     predictor.bind(scheduler, layers)
     hidden = torch.randn(3, model.config.hidden_size)
-    predictor.observe(0, hidden, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), "target")
+    routed = torch.tensor([[0, 3], [1, 3], [0, 2]])
+    predictor.observe(0, hidden, routed, torch.ones(3, 2), "target")
     expected = (hidden @ layers[1].router.weight.T).topk(2, dim=-1).indices.flatten().tolist()
     assert scheduler.added[0][0] == 1 and scheduler.added[0][1] == expected
+    assert scheduler.read == [(0, [0, 3, 1, 3, 0, 2])]  # layer 0's own experts held through the prefetch
     assert scheduler.flushes == 1
     predictor.observe(1, hidden, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), "target")
     assert len(scheduler.added) == 1  # the last MoE layer has no next router
