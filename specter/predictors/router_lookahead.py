@@ -44,6 +44,8 @@ class RouterLookaheadPredictor(Predictor):
         if predicted is None:
             return
         next_layer, experts, confidence = predicted
-        self.scheduler.reading(layer, top_k_index.flatten().tolist())  # not evicted by the prefetch below
-        self.scheduler.add(next_layer, experts.flatten().tolist(), confidence.flatten().tolist())
+        ids = torch.cat([top_k_index.flatten(), experts.flatten().to(top_k_index.dtype)]).tolist()  # one transfer
+        routed = top_k_index.numel()
+        self.scheduler.reading(layer, ids[:routed])  # not evicted by the prefetch below
+        self.scheduler.add(next_layer, ids[routed:], confidence.flatten().tolist())
         self.scheduler.flush()
