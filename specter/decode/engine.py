@@ -365,7 +365,7 @@ class OffloadedEngine(Engine):
         install(model, self.runtime)
 
     def reset_counters(self) -> None:
-        self.cache.stats = CacheStats()
+        self.cache.reset_stats()
         self.prefill_stats = CacheStats()
         self.link.reset_counters()
 

@@ -21,7 +21,8 @@ Contract (the slots, their states, the slot table and the queries: ``specter.mem
   slot (once unpinned): the key is loaded afresh when next asked for, never handed out unwritten.
   An ``acquire`` that raises gives back the pins it took.
 - ``stats``: the counters (``specter.memory.stats.CacheStats`` defines them); ``preload`` is a warm
-  start and is not counted.
+  start and is not counted. ``reset_stats()`` starts them afresh: a prefetch issued before it
+  counts as neither used nor wasted after it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class ExpertCache(SlotBook):
         self.stats = CacheStats()
         self._loading: dict[int, Transfer] = {}
         self._broken: set[int] = set()  # LOADING slots whose copy and repair failed: freed when unpinned
+
+    def reset_stats(self) -> None:
+        """Fresh counters: prefetches still unused count neither as used nor as wasted in them."""
+        self.stats = CacheStats()
+        self._unused_prefetches.clear()
 
     # ----- queries that poll -------------------------------------------------------------------
 

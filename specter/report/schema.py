@@ -20,9 +20,11 @@ What the keys mean (``metrics``: ``specter.report.metrics.GenerationMetrics``):
 - ``prefetch_precision``: prefetched experts used before eviction / prefetched; None when nothing
   was prefetched.
 - ``bytes_transferred``: expert bytes copied into the device cache (prefill and decode);
-  ``transfer_wait_s``: time the decode steps waited on those copies; ``io_wait_share``:
-  ``transfer_wait_s / decode_s`` (capped at 1); ``copies_per_token``: experts copied during the
-  decode per decode token.
+  ``transfer_wait_s``: time the decode steps waited on those copies (a synchronous link, ``local``
+  without a copy thread, copies inside ``submit``: that time is in the steps, not here);
+  ``io_wait_share``: ``transfer_wait_s / decode_s`` (capped at 1); ``copies_per_token``: experts
+  copied during the decode per decode token; ``prefetch_precision`` counts this call's
+  prefetches only.
 - ``link``: ``{kind, gbps, latency_us, emulated}`` always (None where the link does not know
   them; ``emulated`` a bool, True only for paced figures), plus the link's own figures; None for
   an engine without a link. ``expert_budget``: ``{experts, bytes, fraction}`` of the device cache;
