@@ -134,7 +134,7 @@ def _serve(link_ref: "weakref.ref[CopyThreadLink]", work: queue.SimpleQueue) -> 
             return
         transfer, dst, src, submitted = item
         link = link_ref()
-        if link is None:  # cannot happen while a submitter holds the link; finish rather than strand a waiter
+        if link is None:  # dropped with copies still queued: whoever holds one of them is told, not stranded
             transfer._finish(SpecterError("the link was dropped before this copy ran"))
             continue
         due = link._due(submitted, previous_completion, transfer.nbytes)
