@@ -18,7 +18,8 @@ closed"), whichever class's ``close()`` ran (a subclass's own is wrapped to mark
   do not fit the budget stay in host memory; CPU: they go to accelerate's disk offload); built by
   ``specter.decode.hf_offload``.
 
-All engines share the decoding loop, metrics and report code so comparisons are fair.
+All engines share the decoding loop, metrics and report code so comparisons are fair. The prompt
+side (tokenising, the context length, the end-of-sequence ids) is ``specter.decode.prompt_io``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from specter.errors import SpecterError
 from specter.experts.runtime import ExpertRuntime, install, use_grouped_kernel
 from specter.model.expert_layout import is_blocked
 from specter.decode.kv import forward_logits, new_kv_cache, synchronize
-from specter.decode.prompt_check import as_token_ids, check_generate_args
+from specter.decode.prompt_check import check_generate_args
+from specter.decode.prompt_io import PromptIO, eos_ids
 from specter.report.metrics import GenerationMetrics
 from specter.decode.sampling import SamplingParams, sample
 
@@ -62,7 +64,7 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class Engine:
+class Engine(PromptIO):
     """Base: owns the model and tokenizer; subclasses say how one prompt is decoded."""
 
     name = "base"
@@ -83,19 +85,7 @@ class Engine:
         self.sampling = SamplingParams(
             temperature=recipe.sampling.temperature, top_p=recipe.sampling.top_p, top_k=recipe.sampling.top_k
         )
-        eos = getattr(model.generation_config, "eos_token_id", None)
-        # any of them ends a prompt, as in transformers' generate (Qwen2/3-MoE and GPT-OSS list several)
-        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (
-            () if eos is None else (int(eos),))
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """The first end-of-sequence id (None: none); setting it makes it the only one."""
-        return self.eos_token_ids[0] if self.eos_token_ids else None
-
-    @eos_token_id.setter
-    def eos_token_id(self, token: int | None) -> None:
-        self.eos_token_ids = () if token is None else (int(token),)
+        self.eos_token_ids = eos_ids(model.generation_config)
 
     # --- the model call: eager, or the compiled step functions (specter.compile.decoder) -------------
     compiled = None  # a specter.compile.decoder.CompiledDecoder when the recipe says compile: true
@@ -182,42 +172,6 @@ class Engine:
         """Forget cache/link counters (not contents) so a report covers one ``generate`` call."""
 
     # --- shared ------------------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise SpecterError(f"model: {self.model_path} ships no tokenizer; pass token ids instead of text")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            return ids or [self.tokenizer.bos_token_id or 0]
-        return as_token_ids(prompt)
-
-    @property
-    def context_length(self) -> int | None:
-        """The most positions a sequence may take: the model's (``max_position_embeddings``, None
-        if it says none), or a compiled decoder's static KV cache where that holds fewer."""
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        limit = int(limit) if isinstance(limit, int) and limit > 0 else None
-        if self.compiled is not None and (limit is None or self.compiled.max_len < limit):
-            return self.compiled.max_len
-        return limit
-
-    def check_context(self, prompt_ids: Sequence[int], max_new_tokens: int, label: str = "prompt") -> None:
-        """Refuse, before any work, a prompt whose length plus ``max_new_tokens`` exceeds the
-        context length (the speculative round's k draft positions are cut to fit)."""
-        limit = self.context_length
-        if not prompt_ids:
-            raise SpecterError(f"{label}: empty after tokenisation")
-        if limit is not None and len(prompt_ids) + max_new_tokens > limit:
-            whose = "the model's" if self.compiled is None or limit != self.compiled.max_len else \
-                "the compiled decoder's (its static KV cache)"
-            raise SpecterError(
-                f"{label}: {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} = "
-                f"{len(prompt_ids) + max_new_tokens} positions exceed {whose} context length {limit}; "
-                f"shorten the prompt or lower max_new_tokens"
-            )
-
-    def decode_text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-
     def generate(
         self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int | None = None,
         progress: ProgressCallback | None = None, *, sampling: SamplingParams | None = None,

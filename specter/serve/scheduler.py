@@ -227,7 +227,7 @@ class Scheduler:
         if job.cancelled:
             return "cancelled", Cancelled()
         engine = self.engine
-        stream = TextStream(engine.decode_text, job.stop, getattr(engine, "eos_token_ids", engine.eos_token_id))
+        stream = TextStream(engine.decode_text, job.stop, engine.eos_token_ids)
         clock = {"start": time.perf_counter(), "first": None, "last": None, "tokens": 0}
 
         def on_tokens(_index: int, ids: list[int]) -> None:

@@ -36,7 +36,7 @@ class FakeEngine:
     after the prefill waits for ``release``. Each call is logged: prompt, arguments, thread, how
     many times ``on_tokens`` ran and the exception that ended it, if any."""
 
-    eos_token_id = EOS
+    eos_token_ids = (EOS,)
 
     def __init__(self, scripts: dict[tuple[int, ...], list[Any]] | None = None, hold: bool = False,
                  report: dict | None = None) -> None:
