@@ -153,12 +153,8 @@ class ScatteredComputeMachine(Machine):
         return self.fixed + self.per_expert * 4 * distinct_experts(width, 16, 2) + self.per_token * width
 
     def round(self, k: int) -> tuple[int, dict]:
-        accepted = 0
-        while accepted < k and self.rng.random() < self.p:
-            accepted += 1
+        accepted, timings = super().round(k)
         scatter = math.exp(self.rng.gauss(0.0, self.sigma) - self.sigma ** 2 / 2)
-        steps = k + 1 if k else 0
-        timings = {"draft_s": steps * self.draft, "flush_s": 0.0, "verify_s": self.mean_verify_s(k + 1) * scatter,
-                   "host_s": self.host, "draft_steps": steps, "verify_io_wait_s": 0.0}
+        timings.update(verify_s=self.mean_verify_s(k + 1) * scatter, verify_io_wait_s=0.0)
         timings["round_s"] = timings["draft_s"] + timings["verify_s"] + timings["host_s"]
         return accepted, timings
