@@ -48,8 +48,9 @@ Contract (MoE-SpeQ's Speculative Governor, measured rather than assumed):
   set; if none does, the lowest latency a token) and within ``frontier()``: at most twice the
   wider of the widest k measured and ``k0`` (the start, whose first round is never measured), or
   ``FRONTIER_STEP`` beyond it where that is further, so wider ones are reached step by step, each
-  measured before the next is extrapolated (a fit through widths that fit the cache cannot see the cost that jumps once a
-  round's experts stop fitting; doubling, not two at a time, since stop 57), except where even a
+  measured before the next is extrapolated (a fit through widths that fit the cache cannot see the
+  cost that jumps once a round's experts stop fitting; doubling, not two at a time, since stop
+  57), except where even a
   round of ``FRONTIER_STEP`` drafts streams (more distinct experts per layer than
   ``cache_slots_per_layer``, the engine's cache slots over its MoE layers): every round streams,
   there is no such cliff ahead, and any k up to ``k_max`` may be chosen. The current choice is kept

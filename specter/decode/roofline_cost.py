@@ -18,8 +18,8 @@ residual shrunk by ``RESIDUAL_PRIOR`` rounds (a cost the terms cannot follow sho
 has run a while), and the curve is non-decreasing in T (``cost_curve``); past the widest width
 measured it is no dearer than that width's cost scaled by distinct experts (``_optimistic_beyond``:
 up to the widths that stream past the cache's slots, where the fit has that term). Why four
-rounds, not one: with one, a width probed once kept half of its round's luck, a bump in the curve that the
-non-decreasing fit spread over the wider widths (a bench-governor table showed k = 6 predicted 9%
+rounds, not one: with one, a width probed once kept half of its round's luck, a bump in the curve
+that the non-decreasing fit spread over the wider widths (a bench-governor table showed k = 6 predicted 9%
 below k = 5 and 6% below k = 8 at 50% on 20 GB/s); six paired cell runs (50% of the widened
 model, both links, the one-round prior's governor beside): 1.002x fixed k = 8 on 20 GB/s against
 0.982x, and 0.956x against 0.953x on 2 GB/s.

@@ -24,8 +24,9 @@ Contract (pure functions but ``ProbeSchedule``; ``specter.decode.roofline`` hold
   ``OFF_PROBE_BACKOFF`` x while it is 0, speculation off: one unlucky probe must not leave a good
   draft unused for 8 x), back to ``every`` when it changes (and when it changes to 0, the next
   probe no later than ``every`` rounds on, however far the last interval had put it); ``count``
-  probes so far, ``last_best`` the choice it last saw. ``soon(now)``: the next probe two rounds on; ``soon(now, later=False)``:
-  no later than that; ``restart(now)``: ``every`` rounds on, as at the start.
+  probes so far, ``last_best`` the choice it last saw. ``soon(now)``: the next probe two rounds
+  on; ``soon(now, later=False)``: no later than that; ``restart(now)``: ``every`` rounds on, as at
+  the start.
 Why the drafted widths once each: a cold run (the main job: one generation, the calibration
 inside its timed decode) spent 0.37 s of 3.0 on the seven rounds 4, 0, 0, 1, 1, 2, 2 (19 tokens;
 the bundled model on an emulated 0.15 GB/s link). Fresh engines in one process taking turns, cold

@@ -6,8 +6,9 @@ generation ended) and returns each time a ``(delta, stopped)`` pair:
 
 - the text is always ``decode(ids)`` of the whole id list (a trailing end-of-sequence token,
   any of ``eos_token_ids``, dropped), never a concatenation of per-token decodes, so a multi-byte
-  character split across tokens comes out whole: while the decoded text ends in U+FFFD (an incomplete UTF-8 sequence)
-  that tail is held back until a later update completes it or the final update flushes it;
+  character split across tokens comes out whole: while the decoded text ends in U+FFFD (an
+  incomplete UTF-8 sequence) that tail is held back until a later update completes it or the
+  final update flushes it;
 - ``stop`` strings: as soon as the text holds one, it is cut just before it (the earliest one
   when an update completes several; the stop string itself is never sent) and ``stopped`` is
   True; the caller then ends generation. While
