@@ -250,7 +250,7 @@ class Sweep:
             rates = [r["decode_tokens_per_s"] for r in reports]
             timed = [rate for rate in rates if rate is not None]  # None: a run with no decode step to time
             last = reports[-1]
-            median = _median(rates)
+            median = statistics.median(timed) if timed else None
             ratios = {}
             if link is not None and median is not None:
                 cell = {name: _median(v) for name, v in self.cells[(bkey, link, compile)].items()}
